@@ -1,0 +1,21 @@
+# Two entry points (see README): `make run` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+$(BIN)/dflash-pipeline: pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch pinned to the CPU wheel available locally; an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install run test
+install: $(BIN)/dflash-pipeline
+
+run: install
+	$(BIN)/dflash-pipeline run $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q tests $(ARGS)

@@ -1,0 +1,1 @@
+"""Configuration, errors and the command line of dflash-pipeline (no Prefect imports here)."""

@@ -1,0 +1,167 @@
+"""The pipeline's configuration: one validated object per stage, loaded from YAML + `key=value` overrides.
+
+Every field has a default, so an empty config runs the embedded default end to end. Errors name the
+field and the bad value (pydantic's messages, reformatted in `load_config`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = Field("embedded", description="'embedded', a local .jsonl/.json/.parquet file, a directory "
+                        "saved by `datasets`, or a HF dataset name (needs hub access).")
+    format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
+        "auto", description="Row schema; 'auto' detects it per row.")
+    split: str = Field("train", description="Split to read from a HF dataset / DatasetDict directory.")
+    max_samples: int | None = Field(None, ge=1, description="Keep only the first N usable samples (quick runs).")
+    max_length: int = Field(2048, ge=8, description="Token limit per sample.")
+    overlength: Literal["drop", "truncate"] = Field("drop", description="What to do with longer samples.")
+    min_supervised_tokens: int = Field(2, ge=1, description="Drop samples with fewer assistant tokens.")
+    mask_turns: Literal["all", "last"] = Field("all", description="Supervise every assistant turn or the last.")
+    rows_per_shard: int = Field(50_000, ge=1, description="Rows per Arrow file of the prepared dataset.")
+
+
+class TargetConfig(_Section):
+    model_path: str = Field("embedded", description="'embedded' or a local HF checkpoint directory.")
+    tokenizer_path: str | None = Field(None, description="Defaults to model_path.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="'auto': bfloat16 on GPU, float32 on CPU.")
+    attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'flash_attention_2'; None = library default.")
+    trust_remote_code: bool = False
+
+
+class LayersConfig(_Section):
+    preset: Literal["dflash", "eagle3", "explicit"] = Field("dflash", description="How to choose layers.")
+    num_draft_layers: int = Field(5, ge=1, description="dflash preset: one target layer per draft layer.")
+    ids: list[int] | None = Field(None, description="explicit preset: decoder-layer indices (output of layer i).")
+    capture_last: bool = Field(False, description="Also store the last decoder layer's pre-norm output "
+                               "(for distillation from the target's logits).")
+
+    @model_validator(mode="after")
+    def _explicit_needs_ids(self) -> "LayersConfig":
+        if self.preset == "explicit" and not self.ids:
+            raise ValueError("layers.preset is 'explicit' but layers.ids is empty: give e.g. layers.ids=[1,3,5]")
+        return self
+
+
+class ExtractConfig(_Section):
+    devices: str = Field("auto", description="'auto' (every visible GPU, else one CPU worker), 'cpu', "
+                         "or a comma list like 'cuda:0,cuda:1'.")
+    token_budget: int = Field(16384, ge=16, description="Max padded tokens per forward batch.")
+    unit_tokens: int = Field(1_000_000, ge=16, description="Tokens per work unit (the unit of assignment "
+                             "and of completion; a crash redoes at most one store shard of one unit).")
+    shard_mib: float = Field(128.0, gt=0, description="Target size of one store shard file (MiB, raw).")
+    chunk_mib: float = Field(4.0, gt=0, description="Target size of one compressed chunk inside a shard (MiB).")
+    compression: Literal["zstd", "lz4", "none"] = Field("zstd", description="Codec for hidden states.")
+    store_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="'auto' = the model's compute dtype.")
+    io_retries: int = Field(5, ge=1, description="Attempts for a store write before giving up.")
+    task_retries: int = Field(2, ge=0, description="Prefect retries of a crashed worker (it resumes).")
+    new_version: bool = Field(False, description="If the store holds another model/layer set, start a new "
+                              "store version instead of failing.")
+    incremental: bool = Field(False, description="Allow adding new dataset rows to an existing store "
+                              "version (the nightly run); otherwise another dataset is an error.")
+
+
+class ValidateConfig(_Section):
+    recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
+    seed: int = 0
+    max_zero_row_fraction: float = Field(0.0, ge=0, le=1, description="Allowed share of all-zero token rows.")
+
+
+class RunConfig(_Section):
+    output_dir: str = Field("runs/default", description="Everything a run writes goes under here.")
+    store_path: str | None = Field(None, description="Defaults to <output_dir>/store.")
+    data: DataConfig = DataConfig()
+    target: TargetConfig = TargetConfig()
+    layers: LayersConfig = LayersConfig()
+    extract: ExtractConfig = ExtractConfig()
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    stages: list[Literal["prepare", "probe", "extract", "validate", "train", "evaluate"]] = Field(
+        ["prepare", "probe", "extract", "validate"], description="Stages to run, in pipeline order.")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @field_validator("stages")
+    @classmethod
+    def _known_order(cls, v: list[str]) -> list[str]:
+        order = ["prepare", "probe", "extract", "validate", "train", "evaluate"]
+        return sorted(set(v), key=order.index)
+
+    @property
+    def store(self) -> Path:
+        return Path(self.store_path) if self.store_path else Path(self.output_dir) / "store"
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key.sub=value`; the value is parsed as YAML (so 3, true, [1,2] and null work)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value (e.g. data.max_samples=50)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
+    """Load YAML (optional), apply dotted overrides, validate. Raises ConfigError naming field and value."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    return validate_tree(tree)
+
+
+def validate_tree(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "<root>"
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            lines.append(f"  {field}: {err['msg']}{shown}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None

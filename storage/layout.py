@@ -1,0 +1,74 @@
+"""On-disk layout of the hidden-state store (documented for third parties in docs/STORE.md).
+
+    <store>/CURRENT                      name of the version readers should use (moved after validation)
+    <store>/v0001/                       a Zarr v3 group, one per (model, layer set, dtype) identity
+        zarr.json                        root attributes: provenance (see docs/STORE.md)
+        units/u00000/                    one group per work unit, written by exactly one worker
+            hidden       [T, K, H]       outputs of the K captured decoder layers, concatenated order
+            last_hidden  [T, H]          (optional) pre-norm output of the last decoder layer
+            input_ids    [T] int32, loss_mask [T] uint8
+            commit.json                  the commit record: tokens [0, committed_tokens) are final
+        attrs of units/uNNNNN: samples = [[sample_id, start, length], ...] in storage order
+
+bfloat16 is stored as uint16 holding the raw bf16 bits, with attribute `logical_dtype: bfloat16`:
+any Zarr v3 reader (zarr-python, tensorstore, zarrs) opens it without registering a custom data type,
+and `torch.from_numpy(a).view(torch.bfloat16)` restores it bit-exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+LAYER_CONVENTION = ("decoder-layer index i; value = output of decoder layer i = HF "
+                    "output_hidden_states[i + 1] (embeddings are index -1); layers concatenated in "
+                    "target_layer_ids order along axis 1")
+
+# logical dtype -> (numpy dtype stored in Zarr, torch dtype)
+DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    "bfloat16": (np.dtype("uint16"), torch.bfloat16),
+    "float16": (np.dtype("float16"), torch.float16),
+    "float32": (np.dtype("float32"), torch.float32),
+}
+
+
+def to_storage(t: torch.Tensor, logical: str) -> np.ndarray:
+    """A CPU tensor in the logical dtype -> numpy array of the stored dtype (bit-exact)."""
+    stored, tdtype = DTYPES[logical]
+    t = t.to(tdtype)
+    if logical == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_storage(a: np.ndarray, logical: str) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if logical == "bfloat16":
+        return t.view(torch.bfloat16)
+    return t
+
+
+def compressors(name: str, itemsize: int) -> list:
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    if name == "none":
+        return [Crc32cCodec()]
+    if name == "zstd":
+        # Measured best for bf16 (DESIGN.md s5): zstd level 1, byte shuffle, 1 MiB blocks; ratio ~1.45.
+        codec = BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=itemsize, blocksize=1 << 20)
+    elif name == "lz4":
+        codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize, blocksize=1 << 20)
+    else:
+        raise ValueError(f"unknown compression {name!r}")
+    return [codec, Crc32cCodec()]  # CRC32C per chunk: a flipped byte is a read error, not silent garbage
+
+
+def chunking(bytes_per_token: int, chunk_mib: float, shard_mib: float, n_tokens: int) -> tuple[int, int]:
+    """(chunk_tokens, shard_tokens) along the token axis; shard is a multiple of chunk."""
+    chunk = max(1, int(chunk_mib * 2**20) // bytes_per_token)
+    shard = max(chunk, int(shard_mib * 2**20) // bytes_per_token // chunk * chunk)
+    if n_tokens < shard:  # small units: one shard holding everything
+        shard = max(chunk, -(-n_tokens // chunk) * chunk)
+        chunk = min(chunk, shard)
+    return chunk, shard

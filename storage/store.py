@@ -1,0 +1,218 @@
+"""The versioned hidden-state store: identity checks, unit planning, completeness.
+
+Only the flow's driver (one process, before fan-out) creates versions and plans units; each unit is
+then written by exactly one worker (storage.writer). So no two processes ever write the same zarr.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pipeline.errors import StoreError
+from storage.commit import read_json, write_atomic
+from storage.layout import DTYPES, FORMAT_VERSION, chunking, compressors
+
+log = logging.getLogger(__name__)
+
+# Attributes that must match for two runs to share one store version.
+IDENTITY_KEYS = ("model_config_hash", "weights_fingerprint", "layer_ids", "capture_last", "logical_dtype",
+                 "hidden_size", "format_version")
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    name: str
+    n_samples: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    version: str
+    version_path: str
+    new_units: list[UnitInfo]
+    pending_units: list[UnitInfo]  # not yet complete (new ones included)
+    n_units: int
+    new_samples: int
+
+
+def _zarr():
+    import zarr
+
+    return zarr
+
+
+class Store:
+    """A directory of store versions plus a CURRENT pointer."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # ---- versions -------------------------------------------------------------------------------
+    def versions(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v")
+                      and (p / "zarr.json").exists())
+
+    def current(self) -> str | None:
+        p = self.root / "CURRENT"
+        return p.read_text().strip() if p.exists() else None
+
+    def set_current(self, version: str) -> None:
+        assert (self.root / version / "zarr.json").exists(), version
+        write_atomic(self.root / "CURRENT", version.encode())
+
+    def open_version(self, version: str, mode: str = "r"):
+        return _zarr().open_group(str(self.root / version), mode=mode, zarr_format=3)
+
+    def attrs(self, version: str) -> dict[str, Any]:
+        return dict(self.open_version(version).attrs)
+
+    def _writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(f"store path {self.root} cannot be written ({e.strerror}); choose another "
+                             "store_path or fix its permissions") from e
+
+    def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool,
+                        incremental: bool) -> str:
+        """The version this run writes into: the newest one with the same identity, else a new one."""
+        self._writable()
+        versions = self.versions()
+        for v in reversed(versions):
+            attrs = self.attrs(v)
+            if all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS):
+                if dataset_fp not in attrs.get("dataset_fingerprints", []):
+                    if not incremental:
+                        raise StoreError(
+                            f"store {self.root / v} was made from dataset(s) {attrs['dataset_fingerprints']}, "
+                            f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
+                            "its new rows to this store, or use another store_path")
+                    g = self.open_version(v, mode="r+")
+                    g.attrs["dataset_fingerprints"] = attrs["dataset_fingerprints"] + [dataset_fp]
+                return v
+        if versions:
+            last = self.attrs(versions[-1])
+            diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
+            if not new_version:
+                shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
+                raise StoreError(f"store {self.root} was made with another model or layer set ({shown}). "
+                                 "Refusing to mix them. Set extract.new_version=true to start a new store "
+                                 "version beside it, or use another store_path")
+        name = f"v{len(versions) + 1:04d}" if not versions else f"v{int(versions[-1][1:]) + 1:04d}"
+        g = _zarr().open_group(str(self.root / name), mode="w-", zarr_format=3)
+        g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        g.create_group("units")
+        log.info("created store version %s", self.root / name)
+        return name
+
+    # ---- units ----------------------------------------------------------------------------------
+    def unit_dir(self, version: str, unit: str) -> Path:
+        return self.root / version / "units" / unit
+
+    def units(self, version: str) -> list[str]:
+        d = self.root / version / "units"
+        return sorted(p.name for p in d.iterdir() if (p / "zarr.json").exists()) if d.is_dir() else []
+
+    def unit_attrs(self, version: str, unit: str) -> dict[str, Any]:
+        return dict(_zarr().open_group(str(self.unit_dir(version, unit)), mode="r").attrs)
+
+    def commit_record(self, version: str, unit: str) -> dict[str, Any]:
+        return read_json(self.unit_dir(version, unit) / "commit.json", {"committed_tokens": 0, "complete": False})
+
+    def plan_units(self, version: str, sample_ids: list[str], lengths: list[int],
+                   fetch: Callable[[list[int]], tuple[list, list]], unit_tokens: int, chunk_mib: float,
+                   shard_mib: float, compression: str) -> PlanResult:
+        """Create unit groups for samples not yet in any unit of this version.
+
+        `fetch(rows)` returns (input_ids, loss_masks) of those prepared rows.
+        A unit is planned only once its `planned` attribute is written (last); a unit group without it
+        (the planner was killed) is removed and planned again. Units are consecutive runs of the
+        prepared order, stored longest-first (batches of similar length; OOM shows up at once).
+        """
+        attrs = self.attrs(version)
+        assigned: set[str] = set()
+        for u in self.units(version):
+            ua = self.unit_attrs(version, u)
+            if not ua.get("planned"):
+                log.warning("removing half-planned unit %s", u)
+                shutil.rmtree(self.unit_dir(version, u))
+                continue
+            assigned.update(s[0] for s in ua["samples"])
+        todo = [i for i, s in enumerate(sample_ids) if s not in assigned]
+        groups: list[list[int]] = []
+        cur, cur_tokens = [], 0
+        for i in todo:
+            if cur and cur_tokens + lengths[i] > unit_tokens:
+                groups.append(cur)
+                cur, cur_tokens = [], 0
+            cur.append(i)
+            cur_tokens += lengths[i]
+        if cur:
+            groups.append(cur)
+
+        existing = self.units(version)
+        next_no = int(existing[-1][1:]) + 1 if existing else 0
+        k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
+        new_units = []
+        for gi, members in enumerate(groups):
+            order = sorted(members, key=lambda i: (-lengths[i], i))
+            name = f"u{next_no + gi:05d}"
+            self._create_unit(version, name, order, sample_ids, lengths, fetch, k, hidden,
+                              logical, attrs.get("capture_last", False), chunk_mib, shard_mib, compression)
+            new_units.append(UnitInfo(name, len(order), sum(lengths[i] for i in order)))
+        pending = [self.unit_info(version, u) for u in self.units(version)
+                   if not self.commit_record(version, u).get("complete")]
+        return PlanResult(version, str(self.root / version), new_units, pending, len(self.units(version)),
+                          len(todo))
+
+    def unit_info(self, version: str, unit: str) -> UnitInfo:
+        samples = self.unit_attrs(version, unit)["samples"]
+        return UnitInfo(unit, len(samples), sum(s[2] for s in samples))
+
+    def _create_unit(self, version, name, order, sample_ids, lengths, fetch, k, hidden,
+                     logical, capture_last, chunk_mib, shard_mib, compression) -> None:
+        zarr = _zarr()
+        stored = DTYPES[logical][0]
+        n_tokens = sum(lengths[i] for i in order)
+        d = self.unit_dir(version, name)
+        if d.exists():
+            shutil.rmtree(d)
+        g = zarr.open_group(str(d), mode="w", zarr_format=3)
+        chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
+        codecs = compressors(compression, stored.itemsize)
+        g.create_array("hidden", shape=(n_tokens, k, hidden), chunks=(chunk, k, hidden),
+                       shards=(shard, k, hidden), dtype=stored, compressors=codecs, fill_value=0)
+        if capture_last:
+            # Same shard length along tokens as `hidden`, so one commit covers both.
+            g.create_array("last_hidden", shape=(n_tokens, hidden), chunks=(chunk, hidden),
+                           shards=(shard, hidden), dtype=stored, compressors=codecs, fill_value=0)
+        input_ids, loss_masks = fetch(order)
+        ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids])
+        mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in loss_masks])
+        g.create_array("input_ids", data=ids, chunks=(max(1, min(n_tokens, 1 << 20)),),
+                       compressors=compressors("zstd", 4))
+        g.create_array("loss_mask", data=mask, chunks=(max(1, min(n_tokens, 1 << 20)),),
+                       compressors=compressors("zstd", 1))
+        starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
+        samples = [[sample_ids[i], int(s), int(lengths[i])] for i, s in zip(order, starts)]
+        g.attrs.update({"samples": samples, "n_tokens": n_tokens, "shard_tokens": shard, "chunk_tokens": chunk,
+                        "logical_dtype": logical})
+        g.attrs["planned"] = True  # last: from here on the unit exists
+
+    def delete_version(self, version: str) -> None:
+        assert version != self.current(), "refusing to delete the CURRENT version"
+        shutil.rmtree(self.root / version)

@@ -1,0 +1,67 @@
+"""Prefect tasks: plan the store's units, and one extraction worker per device."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from dataprep.prepare import PrepareResult
+from pipeline.config import RunConfig
+from storage.store import PlanResult
+from target.extract import Progress, WorkerResult, run_worker
+from target.plan import plan_extraction, store_dtype
+from target.probe import ProbeReport
+from target.tokenizer import load_tokenizer
+from dataprep.prepare import template_fingerprint, tokenizer_fingerprint
+from embedded import resolve_model
+from tasks.common import artifact_key, retry_unless_user_error, run_logger
+
+
+@task(name="plan-extraction", task_run_name="plan store units", cache_policy=NO_CACHE)
+def plan_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult:
+    tok = load_tokenizer(resolve_model(cfg.target.tokenizer_path or cfg.target.model_path))
+    plan = plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
+    run_logger().info("store %s: %d units, %d new samples in %d new units, %d units pending",
+                      plan.version_path, plan.n_units, plan.new_samples, len(plan.new_units), len(plan.pending_units))
+    return plan
+
+
+def _worker_name() -> str:
+    from prefect.runtime import task_run
+
+    p = task_run.parameters
+    return f"extract {len(p['units'])} units on {p['device']}"
+
+
+@task(name="extract-hidden-states", task_run_name=_worker_name, cache_policy=NO_CACHE,
+      retry_condition_fn=retry_unless_user_error, retry_delay_seconds=5)
+def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units: list[str], device: str,
+                        pad_id: int) -> WorkerResult:
+    """Runs on one device; a retry resumes from the units' commit records."""
+    log = run_logger()
+    key = artifact_key("extract-progress", device)
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=f"extraction on {device}")
+
+    def progress(p: Progress) -> None:
+        pct = 100.0 * p.tokens_done / max(p.tokens_total, 1)
+        update_progress_artifact(artifact_id=artifact_id, progress=pct)
+        log.info("%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s", p.device, p.unit, p.tokens_done,
+                 p.tokens_total, pct, p.tokens_per_s, p.eta_s)
+
+    result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
+                        pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
+    update_progress_artifact(artifact_id=artifact_id, progress=100.0)
+    return result
+
+
+def publish_throughput(results: list[WorkerResult], store_path: str) -> None:
+    rows = [{"device": r.device, "units": len(r.units), "skipped (complete)": r.units_skipped, "tokens": r.tokens,
+             "forward passes": r.forward_passes, "OOM splits": r.oom_splits, "seconds": round(r.seconds, 2),
+             "tokens/s": round(r.tokens_per_s, 1), "peak GPU GiB": round(r.peak_gpu_gib, 2)} for r in results]
+    total_tokens = sum(r.tokens for r in results)
+    wall = max((r.seconds for r in results), default=0.0)
+    rows.append({"device": "all", "units": sum(len(r.units) for r in results), "tokens": total_tokens,
+                 "seconds": round(wall, 2), "tokens/s": round(total_tokens / wall, 1) if wall else 0.0})
+    create_table_artifact(key=artifact_key("extract-throughput"), table=rows,
+                          description=f"extraction into {store_path}")
