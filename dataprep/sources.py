@@ -40,6 +40,7 @@ def source_fingerprint(source: str, split: str) -> str:
             h.update(str(f.relative_to(p)).encode())
             _sha256_file(f, h)
         return h.hexdigest()
+    _check_not_missing_path(source)
     ds = _load_hub(source, split)
     return hashlib.sha256(f"{source}:{split}:{ds._fingerprint}".encode()).hexdigest()
 
@@ -53,6 +54,12 @@ def _load_hub(name: str, split: str):
         raise DataError(f"data.source {name!r} is neither a local file/directory nor a loadable dataset "
                         f"({type(e).__name__}: {e}). Give a path to a .jsonl/.json/.parquet file or a "
                         "directory saved with datasets.save_to_disk") from e
+
+
+def _check_not_missing_path(source: str) -> None:
+    """A path-looking source that does not exist is a typo, not a hub dataset name."""
+    if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
+        raise DataError(f"data.source {source} does not exist (no such file or directory)")
 
 
 def _from_dataset(ds) -> Iterator[tuple[int, Any]]:
@@ -103,6 +110,5 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[int, Any | Ba
             ds = ds[split]
         yield from _from_dataset(ds)
         return
-    if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
-        raise DataError(f"data.source {source} does not exist")
+    _check_not_missing_path(source)
     yield from _from_dataset(_load_hub(source, split))

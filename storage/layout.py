@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
-LAYER_CONVENTION = ("decoder-layer index i; value = output of decoder layer i = HF "
-                    "output_hidden_states[i + 1] (embeddings are index -1); layers concatenated in "
-                    "target_layer_ids order along axis 1")
+LAYER_CONVENTION = ("decoder-layer index i; value = output of decoder layer i before any final norm, which is HF "
+                    "output_hidden_states[i + 1] (for the last layer HF gives the post-norm value instead); "
+                    "layers concatenated in target_layer_ids order along axis 1")
 
 # logical dtype -> (numpy dtype stored in Zarr, torch dtype)
 DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 def load_target(model_path: str, dtype_kwarg: str, dtype: str, device: str, attn_implementation: str | None = None,
                 trust_remote_code: bool = False):
     """An eval-mode causal LM on `device`, gradients off. Missing or corrupt files raise CompatError."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {dtype_kwarg: getattr(torch, dtype), "trust_remote_code": trust_remote_code}
@@ -21,7 +22,7 @@ def load_target(model_path: str, dtype_kwarg: str, dtype: str, device: str, attn
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
         raise CompatError(f"cannot load the target from {model_path}: {type(e).__name__}: {e}. "
                           "Check that the directory holds a complete checkpoint (config.json and all weight "
                           "files) and re-download it if a file is truncated") from e

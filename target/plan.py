@@ -8,7 +8,7 @@ from typing import Any
 
 from dataprep.prepare import PrepareResult, load_prepared
 from pipeline.config import RunConfig
-from storage.layout import LAYER_CONVENTION
+from storage.layout import FORMAT_VERSION, LAYER_CONVENTION
 from storage.store import PlanResult, Store, UnitInfo
 from target.modelfiles import config_hash, weights_fingerprint
 from target.probe import ProbeReport
@@ -27,6 +27,7 @@ def _version(pkg: str) -> str | None:
 
 def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_fp: str) -> dict[str, Any]:
     return {
+        "format_version": FORMAT_VERSION,
         "model_path": report.model_path,
         "model_type": report.model_type,
         "model_config_hash": config_hash(report.model_path),

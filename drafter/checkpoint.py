@@ -1,0 +1,119 @@
+"""Training checkpoints (resume) and the run's report files (loss curve PNG, metrics JSON).
+
+A checkpoint is `<output_dir>/checkpoints/step-XXXXXXXX/` holding the drafter weights and the trainer
+state (optimizer, scheduler, step, RNG states, loss history, architecture). It is written to a temp
+directory and renamed, and only directories with a DONE marker count, so a kill while saving leaves
+the previous checkpoint as the latest. Older checkpoints beyond `keep` are pruned after a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import ConfigError
+
+DONE = "DONE"
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith("step-") and (p / DONE).exists():
+            out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    cks = list_checkpoints(output_dir)
+    return cks[-1][1] if cks else None
+
+
+def rng_state() -> dict[str, Any]:
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available() and len(st["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
+                    state: dict[str, Any], keep: int) -> Path:
+    root = checkpoint_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        torch.save(model.state_dict(), tmp / "drafter.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "rng": rng_state(), **state}, tmp / "trainer.pt")
+        (tmp / DONE).write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for _, old in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, spec_json: str) -> dict[str, Any]:
+    """Restore in place; returns the trainer state. Refuses checkpoints of another architecture."""
+    state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    if state.get("spec") != spec_json:
+        raise ConfigError(
+            f"{path} holds a drafter of another architecture or target layer set than this run "
+            f"(saved: {state.get('spec')}; now: {spec_json}). Use a new train.output_dir, or delete "
+            f"{path.parent} to start over")
+    model.load_state_dict(torch.load(path / "drafter.pt", map_location="cpu"))
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state
+
+
+def write_report(output_dir: str | Path, history: list[dict], metrics: dict[str, Any]) -> dict[str, str]:
+    """loss_curve.png and metrics.json beside the checkpoints; returns their paths."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mpath, ppath = out / "metrics.json", out / "loss_curve.png"
+    tmp = mpath.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**metrics, "history": history}, indent=2, default=str))
+    os.replace(tmp, mpath)
+    if history:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("weighted block loss")
+        ax.set_title(f"DFlash drafter training ({metrics.get('tokens_per_s', 0):.0f} tokens/s)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(ppath, dpi=100)
+        plt.close(fig)
+    return {"metrics": str(mpath), "plot": str(ppath)}

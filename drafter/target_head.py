@@ -1,0 +1,135 @@
+"""The parts of the target the drafter borrows: token embedding, final norm and lm_head (frozen), and the
+draft architecture derived from the target's config.
+
+Training needs only these three tensors, so they are read straight from the safetensors files (a few
+hundred MB for an 8B model, instead of loading all 16 GB). The norm module is instantiated from the
+target's own class on the meta device, because norms differ between families (Qwen3.5 scales by
+1 + weight, Qwen3 by weight); distillation logits must match the target's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafter.config import TrainConfig
+from drafter.model import FULL, SLIDING, DraftSpec
+from pipeline.errors import ConfigError
+from target.modelfiles import read_model_config
+
+log = logging.getLogger(__name__)
+
+
+class TargetHead(nn.Module):
+    """Frozen embed / final norm / lm_head of the target. Never part of the drafter's state_dict."""
+
+    def __init__(self, embed: nn.Module, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.requires_grad_(False)
+
+    def logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(draft_hidden)
+
+    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits from its last decoder layer's pre-norm output."""
+        return self.lm_head(self.norm(last_hidden))
+
+
+def head_from_model(model) -> TargetHead:
+    """From an already loaded HF causal LM (evaluation)."""
+    return TargetHead(model.get_input_embeddings(), _final_norm(model), model.get_output_embeddings())
+
+
+def _final_norm(model) -> nn.Module:
+    base = getattr(model, "model", None) or model.get_decoder()
+    norm = getattr(base, "norm", None)
+    if norm is None:
+        raise ConfigError(f"{type(model).__name__} has no model.norm; the drafter needs the target's final "
+                          "norm for distillation and evaluation")
+    return norm
+
+
+def _read_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for n in set(names) & set(fh.keys()):
+                out[n] = fh.get_tensor(n)
+    return out
+
+
+def load_target_head(model_path: str, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> TargetHead:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    modules = {"embed": skeleton.get_input_embeddings(), "norm": _final_norm(skeleton),
+               "lm_head": skeleton.get_output_embeddings()}
+    qual = {id(m): n for n, m in skeleton.named_modules()}
+    keys = {k: f"{qual[id(m)]}.weight" for k, m in modules.items()}
+    found = _read_tensors(model_path, list(keys.values()))
+    if keys["lm_head"] not in found and keys["embed"] in found and getattr(config, "tie_word_embeddings", False):
+        found[keys["lm_head"]] = found[keys["embed"]]
+    if set(keys.values()) - set(found):  # unusual key layout: let transformers map it, load everything
+        log.info("target head tensors %s not found by name; loading the whole target", set(keys.values()) - set(found))
+        full = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        return head_from_model(full).to(device)
+    for k, m in modules.items():
+        m.to_empty(device="cpu")
+        m.load_state_dict({"weight": found[keys[k]]}, strict=False)
+    return TargetHead(modules["embed"], modules["norm"], modules["lm_head"]).to(device=device, dtype=dtype)
+
+
+def mask_token_id(tokenizer, mask_token: str | int, vocab_size: int) -> int:
+    if isinstance(mask_token, int):
+        tid = mask_token
+    else:
+        tid = tokenizer.convert_tokens_to_ids(mask_token)
+        if tid is None or tid == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(tid) != mask_token:
+            raise ConfigError(f"train.mask_token={mask_token!r} is not a single token of the tokenizer; give "
+                              "an existing special token or a token id inside the embedding (e.g. one past "
+                              "the tokenizer's vocabulary)")
+    if not 0 <= tid < vocab_size:
+        raise ConfigError(f"train.mask_token id {tid} is outside the target's embedding (vocab_size {vocab_size})")
+    return int(tid)
+
+
+def draft_spec(model_path: str, layer_ids: list[int], cfg: TrainConfig, mask_id: int) -> DraftSpec:
+    """Draft layers mirror the target's attention shape (hidden, heads, head_dim, MLP width)."""
+    mc = read_model_config(model_path)
+    t = mc.get("text_config") or mc
+    hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    n = cfg.num_draft_layers or len(layer_ids)
+    types = [FULL] * n
+    if cfg.sliding_window is not None:
+        chosen = range(n) if cfg.sliding_layers is None else cfg.sliding_layers
+        bad = [i for i in chosen if i >= n]
+        if bad:
+            raise ConfigError(f"train.sliding_layers={cfg.sliding_layers} names layer(s) {bad}, but the drafter "
+                              f"has {n} layers (train.num_draft_layers)")
+        for i in chosen:
+            types[i] = SLIDING
+    rope = t.get("rope_parameters") or {}
+    return DraftSpec(
+        hidden_size=hidden, intermediate_size=int(t.get("intermediate_size", 4 * hidden)),
+        num_attention_heads=heads, num_key_value_heads=int(t.get("num_key_value_heads", heads)),
+        head_dim=int(t.get("head_dim") or hidden // heads), num_hidden_layers=n,
+        vocab_size=int(t["vocab_size"]), target_layer_ids=list(layer_ids),
+        num_target_layers=int(t["num_hidden_layers"]), block_size=cfg.block_size, mask_token_id=mask_id,
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or t.get("rope_theta") or 1_000_000.0),
+        max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        sliding_window=cfg.sliding_window, layer_types=types)
+
+
+def spec_json(spec: DraftSpec) -> str:
+    return json.dumps(spec.to_dict(), sort_keys=True)

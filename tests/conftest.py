@@ -1,0 +1,63 @@
+"""Shared fixtures: one embedded target per session, one Prefect harness per session, tiny stores."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def dflash_home(tmp_path_factory) -> Path:
+    """DFLASH_HOME for the session: the embedded target is built once, into a fresh directory, unless
+    DFLASH_TEST_HOME points at an existing build (a developer speed-up; CI always builds)."""
+    home = Path(os.environ.get("DFLASH_TEST_HOME") or tmp_path_factory.mktemp("dflash_home"))
+    os.environ["DFLASH_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def model_dir(dflash_home) -> str:
+    from embedded.build import ensure_built
+
+    return str(ensure_built())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from target.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def small_store(model_dir, tmp_path_factory):
+    """A complete, validated-shape store of 60 samples, layers [1, 3, 7] (GDN, full, full) + last."""
+    from helpers import extract_local
+
+    out = tmp_path_factory.mktemp("small_store")
+    return extract_local(out, {"data.max_samples": 60, "layers.preset": "explicit", "layers.ids": [1, 2, 3],
+                               "layers.capture_last": True, "extract.unit_tokens": 2500})
