@@ -52,8 +52,8 @@ def run_stages(cfg: RunConfig) -> dict[str, Any]:
     devices = [d.name for d in report.devices]
     assignment = assign_units(plan.pending_units, devices)
     pad_id = _pad_id(cfg)
-    futures = [extract_worker_task.submit(cfg, report, plan.version, units, device, pad_id)
-               for device, units in assignment.items()]
+    worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
+    futures = [worker.submit(cfg, report, plan.version, units, device, pad_id) for device, units in assignment.items()]
     results = [f.result() for f in futures]
     publish_throughput(results, plan.version_path)
     summary.update(version=plan.version, units=plan.n_units, new_samples=plan.new_samples,

@@ -55,6 +55,13 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_show_config(args: argparse.Namespace) -> int:
+    from pipeline.config import defaults_yaml
+
+    print(defaults_yaml(), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "uvicorn", "alembic"):
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(fn=cmd_run)
     b = sub.add_parser("build-default", help="build the embedded tiny target and tokenizer, print its path")
     b.set_defaults(fn=cmd_build_default)
+    sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
+    sc.set_defaults(fn=cmd_show_config)
     args = parser.parse_args(argv)
     _quiet_libraries()
     return args.fn(args)

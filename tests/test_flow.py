@@ -1,0 +1,48 @@
+"""The Prefect flow end to end (ephemeral harness): stages, artifacts, CURRENT, no recompute on rerun."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from storage.store import Store
+
+
+def _artifacts(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def go():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+    return asyncio.run(go())
+
+
+def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_dir, tmp_path):
+    from flows.pipeline import dflash_pipeline
+
+    overrides = {"output_dir": str(tmp_path), "data.max_samples": 30, "extract.devices": "cpu",
+                 "layers.num_draft_layers": 3, "validate.recompute_samples": 2}
+    state = dflash_pipeline(overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["validation"] == "PASS" and summary["new_samples"] == 30 and summary["forward_passes"] > 0
+    store = Store(tmp_path / "store")
+    assert store.current() == summary["version"] == "v0001"
+    keys = {a.key for a in _artifacts(state.state_details.flow_run_id)}
+    assert {"prepared-dataset", "compat-probe", "extract-throughput", "extract-progress-cpu", "validation",
+            "store"} <= keys
+
+    again = dflash_pipeline(overrides=overrides)
+    assert again["forward_passes"] == 0 and again["new_samples"] == 0 and again["validation"] == "PASS"
+
+
+def test_flow_fails_clearly_on_bad_config(prefect_harness):
+    from flows.pipeline import dflash_pipeline
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="layers.ids"):
+        dflash_pipeline(overrides={"layers.preset": "explicit"})
