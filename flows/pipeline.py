@@ -1,4 +1,5 @@
-"""The end-to-end pipeline flow: prepare -> probe -> plan -> extract (one task per device) -> validate.
+"""The end-to-end pipeline flow: prepare -> probe -> plan -> extract (one task per device) -> validate
+-> promote CURRENT -> prune old versions.
 
 Reads like the diagram in DESIGN.md. Every stage is resumable from its own durable record, so rerunning
 the flow after a crash (or on a finished store) redoes no finished work.
@@ -16,11 +17,14 @@ from pipeline.config import RunConfig, load_config
 from target.tokenizer import load_tokenizer
 from embedded import resolve_model
 from tasks.common import artifact_key, run_logger
-from tasks.extract import extract_worker_task, plan_task, publish_throughput
+from tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
 from tasks.prepare import prepare_task
 from tasks.probe import probe_task
 from tasks.validate import validate_task
+from storage.store import PlanResult, Store
+from target.extract import WorkerResult
 from target.plan import assign_units
+from target.probe import ProbeReport
 
 
 def _run_name() -> str:
@@ -40,32 +44,41 @@ def dflash_pipeline(config_path: str | None = None, overrides: dict[str, Any] | 
 
 
 def run_stages(cfg: RunConfig) -> dict[str, Any]:
-    log = run_logger()
     summary: dict[str, Any] = {"output_dir": cfg.output_dir, "store": str(cfg.store)}
     prepared = prepare_task(cfg)
-    summary["prepared"] = prepared.path
     report = probe_task(cfg)
-    summary["layer_ids"] = report.layer_ids
-    if "extract" not in cfg.stages:
-        return summary
-    plan = plan_task(cfg, report, prepared)
-    devices = [d.name for d in report.devices]
-    assignment = assign_units(plan.pending_units, devices)
-    pad_id = _pad_id(cfg)
+    summary.update(prepared=prepared.path, layer_ids=report.layer_ids)
+    if "extract" in cfg.stages:
+        store = Store(cfg.store)
+        with store.lock():  # one run per store at a time, whichever deployment started it
+            summary["previous_current"] = store.current()
+            plan = plan_task(cfg, report, prepared)
+            results = extract_on_devices(cfg, report, plan)
+            summary.update(version=plan.version, units=plan.n_units, new_units=len(plan.new_units),
+                           new_samples=plan.new_samples, tokens_extracted=sum(r.tokens for r in results),
+                           forward_passes=sum(r.forward_passes for r in results))
+            if "validate" in cfg.stages:
+                validation = validate_task(cfg, report, prepared, plan.version)  # moves CURRENT on success
+                summary["validation"] = "PASS" if validation.ok else "FAIL"
+                summary["pruned"] = store.prune(cfg.extract.keep_versions)
+            summary["current"] = store.current()
+        publish_run_summary(summary)
+    run_logger().info("pipeline done: %s", summary)
+    return summary
+
+
+def extract_on_devices(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
+    """Fan out: one worker task per device, units balanced by tokens; a crashed worker is retried and
+    resumes from its units' commit records."""
+    assignment = assign_units(plan.pending_units, [d.name for d in report.devices])
     worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
+    pad_id = _pad_id(cfg)
     futures = [worker.submit(cfg, report, plan.version, units, device, pad_id) for device, units in assignment.items()]
     results = [f.result() for f in futures]
     publish_throughput(results, plan.version_path)
-    summary.update(version=plan.version, units=plan.n_units, new_samples=plan.new_samples,
-                   tokens_extracted=sum(r.tokens for r in results),
-                   forward_passes=sum(r.forward_passes for r in results))
     create_link_artifact(key=artifact_key("store"), link=f"file://{plan.version_path}",
                          description="the hidden-state store version written by this run")
-    if "validate" in cfg.stages:
-        validation = validate_task(cfg, report, prepared, plan.version)
-        summary["validation"] = "PASS" if validation.ok else "FAIL"
-    log.info("pipeline done: %s", summary)
-    return summary
+    return results
 
 
 def _pad_id(cfg: RunConfig) -> int:

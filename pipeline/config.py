@@ -75,6 +75,8 @@ class ExtractConfig(_Section):
                               "store version instead of failing.")
     incremental: bool = Field(False, description="Allow adding new dataset rows to an existing store "
                               "version (the nightly run); otherwise another dataset is an error.")
+    keep_versions: int = Field(3, ge=1, description="Store versions kept after a successful validation; "
+                               "older ones are pruned (CURRENT never is).")
 
 
 class ValidateConfig(_Section):

@@ -7,11 +7,14 @@ then written by exactly one worker (storage.writer). So no two processes ever wr
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -41,6 +44,17 @@ class PlanResult:
     pending_units: list[UnitInfo]  # not yet complete (new ones included)
     n_units: int
     new_samples: int
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _zarr():
@@ -88,36 +102,100 @@ class Store:
 
     def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool,
                         incremental: bool) -> str:
-        """The version this run writes into: the newest one with the same identity, else a new one."""
+        """The version this run writes into.
+
+        - the newest version with the same identity, if it already holds this dataset (resume / no-op);
+        - for a new dataset with `incremental`: that version if it is unpublished (not CURRENT), else a
+          snapshot of it (a new version sharing its complete units through hard links), so the
+          published version never changes under its readers;
+        - a new version if no version has this identity (only with `new_version`, or for an empty store).
+        """
         self._writable()
         versions = self.versions()
         for v in reversed(versions):
             attrs = self.attrs(v)
-            if all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS):
-                if dataset_fp not in attrs.get("dataset_fingerprints", []):
-                    if not incremental:
-                        raise StoreError(
-                            f"store {self.root / v} was made from dataset(s) {attrs['dataset_fingerprints']}, "
-                            f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
-                            "its new rows to this store, or use another store_path")
-                    g = self.open_version(v, mode="r+")
-                    g.attrs["dataset_fingerprints"] = attrs["dataset_fingerprints"] + [dataset_fp]
+            if not all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS):
+                continue
+            if dataset_fp in attrs.get("dataset_fingerprints", []):
                 return v
-        if versions:
+            if not incremental:
+                raise StoreError(
+                    f"store {self.root / v} was made from dataset(s) {attrs['dataset_fingerprints']}, "
+                    f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
+                    "its new rows to this store, or use another store_path")
+            target = self._snapshot(v) if v == self.current() else v
+            g = self.open_version(target, mode="r+")
+            g.attrs["dataset_fingerprints"] = list(g.attrs["dataset_fingerprints"]) + [dataset_fp]
+            return target
+        if versions and not new_version:
             last = self.attrs(versions[-1])
             diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
-            if not new_version:
-                shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
-                raise StoreError(f"store {self.root} was made with another model or layer set ({shown}). "
-                                 "Refusing to mix them. Set extract.new_version=true to start a new store "
-                                 "version beside it, or use another store_path")
-        name = f"v{len(versions) + 1:04d}" if not versions else f"v{int(versions[-1][1:]) + 1:04d}"
+            shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
+            raise StoreError(f"store {self.root} was made with another model or layer set ({shown}). "
+                             "Refusing to mix them. Set extract.new_version=true to start a new store "
+                             "version beside it, or use another store_path")
+        name = self._new_version_name()
         g = _zarr().open_group(str(self.root / name), mode="w-", zarr_format=3)
         g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION,
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                        "created": _now()})
         g.create_group("units")
         log.info("created store version %s", self.root / name)
         return name
+
+    def _new_version_name(self) -> str:
+        versions = self.versions()
+        return f"v{int(versions[-1][1:]) + 1:04d}" if versions else "v0001"
+
+    def _snapshot(self, source: str) -> str:
+        """A new version holding `source`'s complete units as hard links (no data copied; falls back to a
+        copy across filesystems). Complete units are immutable, so sharing their files is safe."""
+        name = self._new_version_name()
+        src_attrs = self.attrs(source)
+        g = _zarr().open_group(str(self.root / name), mode="w-", zarr_format=3)
+        g.attrs.update({**src_attrs, "created": _now(), "snapshot_of": source})
+        g.create_group("units")
+        for u in self.units(source):
+            if not self.commit_record(source, u).get("complete"):
+                continue
+            src, dst = self.unit_dir(source, u), self.unit_dir(name, u)
+            shutil.copytree(src, dst, copy_function=_link_or_copy)
+        log.info("snapshot %s -> %s (%d units shared)", source, name, len(self.units(name)))
+        return name
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete all but the newest `keep` versions; never CURRENT. Returns the deleted names."""
+        current, versions = self.current(), self.versions()
+        doomed = [v for v in versions[: max(len(versions) - keep, 0)] if v != current]
+        for v in doomed:
+            shutil.rmtree(self.root / v)
+            log.info("pruned store version %s", v)
+        return doomed
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive use of this store by one run (plan, extract, validate, promote)."""
+        import fcntl
+
+        self._writable()
+        path = self.root / ".lock"
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise StoreError(f"store {self.root} is in use by another run ({holder}); wait for it to "
+                                 "finish or use another store_path") from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}")
+            f.flush()
+            try:
+                yield
+            finally:
+                f.seek(0)
+                f.truncate()
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     # ---- units ----------------------------------------------------------------------------------
     def unit_dir(self, version: str, unit: str) -> Path:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
 from dataprep.prepare import PrepareResult
@@ -65,3 +66,17 @@ def publish_throughput(results: list[WorkerResult], store_path: str) -> None:
                  "seconds": round(wall, 2), "tokens/s": round(total_tokens / wall, 1) if wall else 0.0})
     create_table_artifact(key=artifact_key("extract-throughput"), table=rows,
                           description=f"extraction into {store_path}")
+
+
+def publish_run_summary(summary: dict) -> None:
+    """What this run added to the store, for the UI (the nightly run's report)."""
+    promoted = summary.get("current") == summary.get("version") != summary.get("previous_current")
+    rows = [("store", f"`{summary['store']}`"), ("version written", summary.get("version")),
+            ("CURRENT before / after", f"{summary.get('previous_current')} / {summary.get('current')}"
+                                       + (" (promoted)" if promoted else "")),
+            ("new samples", summary.get("new_samples")), ("new units", summary.get("new_units")),
+            ("tokens extracted", summary.get("tokens_extracted")), ("forward passes", summary.get("forward_passes")),
+            ("validation", summary.get("validation", "not run")), ("pruned versions", summary.get("pruned") or "none")]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    create_markdown_artifact(key=artifact_key("run-summary"), description="what this run added",
+                             markdown=f"# Extraction run summary\n\n| item | value |\n| --- | --- |\n{table}\n")
