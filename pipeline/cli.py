@@ -34,6 +34,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        from pipeline.serve import check_api
+
+        try:
+            check_api(api)
+        except PipelineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     from flows.pipeline import dflash_pipeline
 
     overrides = dict(__import__("pipeline.config", fromlist=["parse_override"]).parse_override(s) for s in args.set)
@@ -53,6 +62,12 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
     print(ensure_built())
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipeline.serve import serve
+
+    return serve(args.port)
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -75,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(fn=cmd_run)
     b = sub.add_parser("build-default", help="build the embedded tiny target and tokenizer, print its path")
     b.set_defaults(fn=cmd_build_default)
+    sv = sub.add_parser("serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C stops)")
+    sv.add_argument("--port", type=int, default=4200)
+    sv.set_defaults(fn=cmd_serve)
     sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
     sc.set_defaults(fn=cmd_show_config)
     args = parser.parse_args(argv)

@@ -46,3 +46,25 @@ def test_flow_fails_clearly_on_bad_config(prefect_harness):
 
     with pytest.raises(ConfigError, match="layers.ids"):
         dflash_pipeline(overrides={"layers.preset": "explicit"})
+
+
+def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, tmp_path):
+    import zarr
+
+    from flows.pipeline import dflash_pipeline
+    from pipeline.errors import ValidationFailed
+
+    base = {"output_dir": str(tmp_path), "extract.devices": "cpu", "layers.num_draft_layers": 2,
+            "validate.recompute_samples": 0, "extract.incremental": True, "extract.new_version": True}
+    assert dflash_pipeline(overrides={**base, "data.max_samples": 10})["current"] == "v0001"
+    # New rows extracted into v0002, but not yet validated ...
+    dflash_pipeline(overrides={**base, "data.max_samples": 14, "stages": ["prepare", "probe", "extract"]})
+    store = Store(tmp_path / "store")
+    assert store.versions() == ["v0001", "v0002"] and store.current() == "v0001"
+    # ... and damaged (all-zero states, what a broken extractor writes) before the validating run.
+    new_unit = [u for u in store.units("v0002") if u not in store.units("v0001")][0]
+    g = zarr.open_group(str(store.unit_dir("v0002", new_unit)), mode="r+")
+    g["hidden"][:] = 0
+    with pytest.raises(ValidationFailed, match="all-zero token row"):
+        dflash_pipeline(overrides={**base, "data.max_samples": 14})
+    assert store.current() == "v0001"  # readers still see the last good version
