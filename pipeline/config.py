@@ -60,7 +60,12 @@ class LayersConfig(_Section):
 
 class ExtractConfig(_Section):
     devices: str = Field("auto", description="'auto' (every visible GPU, else one CPU worker), 'cpu', "
-                         "or a comma list like 'cuda:0,cuda:1'.")
+                         "or a comma list like 'cuda:0,cuda:1' ('cpu:0,cpu:1' = two CPU workers).")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="Run each device's worker in its own process (a hung or crashed worker is "
+        "killed and retried alone) or in a thread of the flow process.")
+    worker_timeout_s: float | None = Field(None, gt=0, description="Kill and retry a worker process that "
+                                           "runs longer than this (a hung GPU); None = no limit.")
     token_budget: int = Field(16384, ge=16, description="Max padded tokens per forward batch.")
     unit_tokens: int = Field(1_000_000, ge=16, description="Tokens per work unit (the unit of assignment "
                              "and of completion; a crash redoes at most one store shard of one unit).")

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 # Test-only fault injection: "point:n" SIGKILLs this process at the n-th time `point` is reached.
 # Used by the kill tests to crash at exact places (inside a forward, after a shard write, mid-commit).
+# With DFLASH_KILL_ONCE=<file>, only the first process to get there dies (it creates the file), so a
+# retried worker survives.
 _KILL_ENV = "DFLASH_KILL_AT"
 _hits: dict[str, int] = {}
 
@@ -28,6 +30,13 @@ def crash_point(point: str) -> None:
     _hits[point] = _hits.get(point, 0) + 1
     if _hits[point] == int(n or 1):
         import signal
+
+        once = os.environ.get("DFLASH_KILL_ONCE")
+        if once:
+            try:
+                open(once, "x").close()
+            except FileExistsError:
+                return
 
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -171,7 +171,7 @@ def resolve_devices(spec: str) -> list[str]:
         return [f"cuda:{i}" for i in range(n)] or ["cpu"]
     out = []
     for d in (x.strip() for x in spec.split(",") if x.strip()):
-        if d == "cpu":
+        if d == "cpu" or (d.startswith("cpu:") and d[4:].isdigit()):
             out.append(d)
         elif d.startswith("cuda:") and d[5:].isdigit():
             if int(d[5:]) >= n:
@@ -180,19 +180,19 @@ def resolve_devices(spec: str) -> list[str]:
                                   f"{', '.join(f'cuda:{i}' for i in range(n)) or 'cpu'}")
             out.append(d)
         else:
-            raise ConfigError(f"extract.devices entry {d!r} is not 'cpu' or 'cuda:N'")
+            raise ConfigError(f"extract.devices entry {d!r} is not 'cpu', 'cpu:N' or 'cuda:N'")
     if len(set(out)) != len(out):
         raise ConfigError(f"extract.devices lists a device twice: {spec!r}")
     return out or ["cpu"]
 
 
 def _device_info(name: str) -> DeviceInfo:
-    if name == "cpu":
+    if name.startswith("cpu"):
         import os
 
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         avail = os.sysconf("SC_AVPHYS_PAGES") * size
-        return DeviceInfo("cpu", platform.processor() or "cpu", pages * size / GIB, avail / GIB)
+        return DeviceInfo(name, platform.processor() or "cpu", pages * size / GIB, avail / GIB)
     free, total = torch.cuda.mem_get_info(torch.device(name))
     return DeviceInfo(name, torch.cuda.get_device_name(torch.device(name)), total / GIB, free / GIB)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prefect import task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
@@ -11,6 +13,7 @@ from dataprep.prepare import PrepareResult
 from pipeline.config import RunConfig
 from storage.store import PlanResult
 from target.extract import Progress, WorkerResult, run_worker
+from target.procs import run_in_process
 from target.plan import plan_extraction, store_dtype
 from target.probe import ProbeReport
 from target.tokenizer import load_tokenizer
@@ -39,7 +42,7 @@ def _worker_name() -> str:
       retry_condition_fn=retry_unless_user_error, retry_delay_seconds=5)
 def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units: list[str], device: str,
                         pad_id: int) -> WorkerResult:
-    """Runs on one device; a retry resumes from the units' commit records."""
+    """Runs on one device (in its own process by default); a retry resumes from the units' commit records."""
     log = run_logger()
     key = artifact_key("extract-progress", device)
     artifact_id = create_progress_artifact(progress=0.0, key=key, description=f"extraction on {device}")
@@ -50,8 +53,16 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
         log.info("%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s", p.device, p.unit, p.tokens_done,
                  p.tokens_total, pct, p.tokens_per_s, p.eta_s)
 
-    result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
-                        pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
+    if cfg.extract.isolation == "process":
+        n_cpu = sum(d.name.startswith("cpu") for d in report.devices)
+        spec = {"store_root": str(cfg.store), "version": version, "units": units, "report": report.to_dict(),
+                "extract": cfg.extract.model_dump(mode="json"), "store_dtype": store_dtype(cfg, report),
+                "pad_id": pad_id, "attn_implementation": cfg.target.attn_implementation,
+                "threads": max(1, (os.cpu_count() or 1) // max(n_cpu, 1))}
+        result = run_in_process(spec, device, progress, cfg.extract.worker_timeout_s)
+    else:
+        result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
+                            pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
     update_progress_artifact(artifact_id=artifact_id, progress=100.0)
     return result
 

@@ -68,3 +68,34 @@ def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, 
     with pytest.raises(ValidationFailed, match="all-zero token row"):
         dflash_pipeline(overrides={**base, "data.max_samples": 14})
     assert store.current() == "v0001"  # readers still see the last good version
+
+
+def test_two_worker_processes_one_killed_is_retried_and_resumes(prefect_harness, model_dir, tmp_path, monkeypatch):
+    """Two CPU workers in their own processes; one is SIGKILLed after its second shard write. Prefect
+    retries that task alone, it resumes from its commit record, and the store validates."""
+    from flows.pipeline import dflash_pipeline
+    from storage.reader import HiddenStateDataset
+
+    monkeypatch.setenv("DFLASH_KILL_AT", "after_shard_write:2")
+    monkeypatch.setenv("DFLASH_KILL_ONCE", str(tmp_path / "killed-once"))
+    overrides = {"output_dir": str(tmp_path), "data.max_samples": 40, "extract.devices": "cpu:0,cpu:1",
+                 "extract.isolation": "process", "layers.num_draft_layers": 2, "extract.unit_tokens": 800,
+                 "extract.shard_mib": 0.05, "extract.chunk_mib": 0.02, "extract.token_budget": 256,
+                 "extract.task_retries": 1, "validate.recompute_samples": 2}
+    state = dflash_pipeline(overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    assert (tmp_path / "killed-once").exists()  # a worker really died
+    summary = state.result()
+    assert summary["validation"] == "PASS" and len(HiddenStateDataset(tmp_path / "store")) == 40
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def task_runs():
+        async with get_client() as c:
+            return await c.read_task_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+
+    workers = [t for t in asyncio.run(task_runs()) if t.name.startswith("extract ")]
+    assert sorted(t.name.split(" on ")[-1] for t in workers) == ["cpu:0", "cpu:1"]
+    assert sorted(t.run_count for t in workers) == [1, 2]  # only the killed one ran again
