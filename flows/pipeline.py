@@ -70,11 +70,17 @@ def run_stages(cfg: RunConfig) -> dict[str, Any]:
 def extract_on_devices(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
     """Fan out: one worker task per device, units balanced by tokens; a crashed worker is retried and
     resumes from its units' commit records."""
-    assignment = assign_units(plan.pending_units, [d.name for d in report.devices])
-    worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
     pad_id = _pad_id(cfg)
-    futures = [worker.submit(cfg, report, plan.version, units, device, pad_id) for device, units in assignment.items()]
-    results = [f.result() for f in futures]
+    if cfg.extract.engine == "ray":
+        from flows.ray_extract import run_on_ray
+
+        results = run_on_ray(cfg, report, plan, pad_id)
+    else:
+        assignment = assign_units(plan.pending_units, [d.name for d in report.devices])
+        worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
+        futures = [worker.submit(cfg, report, plan.version, units, device, pad_id)
+                   for device, units in assignment.items()]
+        results = [f.result() for f in futures]
     publish_throughput(results, plan.version_path)
     create_link_artifact(key=artifact_key("store"), link=f"file://{plan.version_path}",
                          description="the hidden-state store version written by this run")

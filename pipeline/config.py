@@ -64,6 +64,12 @@ class ExtractConfig(_Section):
     isolation: Literal["process", "thread"] = Field(
         "process", description="Run each device's worker in its own process (a hung or crashed worker is "
         "killed and retried alone) or in a thread of the flow process.")
+    engine: Literal["local", "ray"] = Field("local", description="'local': one worker per device of this "
+                                            "host; 'ray': one worker per GPU of a Ray cluster (prefect-ray).")
+    ray_address: str | None = Field(None, description="Ray cluster to join ('auto' or ray://host:10001); "
+                                    "None starts a local Ray instance.")
+    ray_workers: int = Field(0, ge=0, description="Ray workers; 0 = one per GPU in the cluster.")
+    ray_cpus_per_worker: int = Field(1, ge=1, description="CPUs per Ray worker when the cluster has no GPUs.")
     worker_timeout_s: float | None = Field(None, gt=0, description="Kill and retry a worker process that "
                                            "runs longer than this (a hung GPU); None = no limit.")
     token_budget: int = Field(16384, ge=16, description="Max padded tokens per forward batch.")

@@ -53,7 +53,13 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
         log.info("%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s", p.device, p.unit, p.tokens_done,
                  p.tokens_total, pct, p.tokens_per_s, p.eta_s)
 
-    if cfg.extract.isolation == "process":
+    if device.startswith("ray:"):  # Ray chose the node and set CUDA_VISIBLE_DEVICES to one GPU
+        import torch
+
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
+                            pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
+    elif cfg.extract.isolation == "process":
         n_cpu = sum(d.name.startswith("cpu") for d in report.devices)
         spec = {"store_root": str(cfg.store), "version": version, "units": units, "report": report.to_dict(),
                 "extract": cfg.extract.model_dump(mode="json"), "store_dtype": store_dtype(cfg, report),

@@ -1,0 +1,50 @@
+"""Extraction on a Ray cluster: one Prefect task per Ray worker, each holding one GPU.
+
+Why Ray (through prefect-ray's RayTaskRunner) rather than a home-made launcher: it already schedules
+tasks onto nodes by resources (`num_gpus=1` sets CUDA_VISIBLE_DEVICES per task), restarts dead workers,
+and is what multi-node GPU users tend to run. Each task is a Ray worker process, so isolation comes from
+Ray; our worker runs in it directly. The store must be on a filesystem every node mounts at the same path.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
+
+from pipeline.config import RunConfig
+from storage.store import PlanResult
+from target.extract import WorkerResult
+from target.plan import assign_units
+from target.probe import ProbeReport
+from tasks.extract import extract_worker_task
+
+
+def _ray_workers(cfg: RunConfig) -> tuple[int, dict]:
+    import ray
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    n = cfg.extract.ray_workers or gpus or 1
+    return n, ({"num_gpus": 1} if gpus else {"num_cpus": cfg.extract.ray_cpus_per_worker})
+
+
+@flow(name="extract-on-ray", flow_run_name="extract on ray ({plan.version})")
+def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: int) -> list[WorkerResult]:
+    n, resources = _ray_workers(cfg)
+    assignment = assign_units(plan.pending_units, [f"ray:{i}" for i in range(n)])
+    worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
+    with remote_options(**resources):
+        futures = [worker.submit(cfg, report, plan.version, units, device, pad_id)
+                   for device, units in assignment.items()]
+    return [f.result() for f in futures]
+
+
+def run_on_ray(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: int) -> list[WorkerResult]:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {"PREFECT_API_URL": PREFECT_API_URL.value()} if PREFECT_API_URL.value() else {}
+    init = {"runtime_env": {"env_vars": env}} if env else {}
+    if not cfg.extract.ray_address:
+        init["num_cpus"] = max(cfg.extract.ray_workers, 1) * cfg.extract.ray_cpus_per_worker
+    runner = RayTaskRunner(address=cfg.extract.ray_address, init_kwargs=init)
+    return ray_extract.with_options(task_runner=runner)(cfg, report, plan, pad_id)

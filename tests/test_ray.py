@@ -1,0 +1,19 @@
+"""Extraction through prefect-ray on a local Ray instance (2 CPU workers): same store, validated."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("prefect_ray")
+
+
+def test_ray_engine_extracts_and_validates(prefect_harness, model_dir, tmp_path):
+    from flows.pipeline import dflash_pipeline
+    from storage.reader import HiddenStateDataset
+
+    overrides = {"output_dir": str(tmp_path), "data.max_samples": 30, "extract.engine": "ray",
+                 "extract.ray_workers": 2, "extract.unit_tokens": 1000, "layers.num_draft_layers": 2,
+                 "validate.recompute_samples": 2, "extract.devices": "cpu"}
+    summary = dflash_pipeline(overrides=overrides)
+    assert summary["validation"] == "PASS" and summary["new_samples"] == 30
+    assert len(HiddenStateDataset(tmp_path / "store")) == 30
