@@ -15,7 +15,7 @@ $(BIN)/dflash-pipeline: pyproject.toml
 install: $(BIN)/dflash-pipeline
 
 run: install
-	$(BIN)/dflash-pipeline run $(ARGS)
+	$(BIN)/dflash-pipeline run --config configs/embedded.yaml $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests $(ARGS)

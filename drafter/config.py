@@ -2,7 +2,7 @@
 
 Every field has a default that suits the embedded default run; the values from DESIGN.md section 6
 (block 16, gamma 7, lr 6e-4, 4% warmup, ~512 anchors per sequence) are the defaults for real targets.
-Sections subclass the pipeline's `_Section`, so unknown fields are errors that name the field.
+Sections subclass the pipeline's `Section`, so unknown fields are errors that name the field.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config import _Section
+from pipeline.base import Section
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     num_draft_layers: int | None = Field(None, ge=1, description="Draft decoder layers; None = one per "
                                          "captured target layer (the DFlash default, 5).")
     block_size: int = Field(16, ge=2, le=64, description="Tokens per draft block: the anchor + block_size-1 "
@@ -61,7 +61,7 @@ class TrainConfig(_Section):
         return self
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     prompts: str = Field("embedded", description="'embedded' or a JSONL of {'id', 'messages'} ending with a "
                          "user turn.")
     num_prompts: int | None = Field(16, ge=1, description="First N prompts; None = all.")
@@ -79,7 +79,7 @@ class EvalConfig(_Section):
         return self
 
 
-class RegenerateConfig(_Section):
+class RegenerateConfig(Section):
     enabled: bool = Field(False, description="Regenerate assistant turns with the target before extraction.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; ~0.7 also works well.")
     top_p: float = Field(1.0, gt=0, le=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,6 +34,7 @@ class AcceptanceReport:
     generated_tokens: int
     position_accept_rate: list[float]  # [k-1]: share of steps whose draft position k was accepted
     per_prompt: list[dict] = field(default_factory=list)
+    untrained_acceptance_length: float | None = None  # same spec, freshly initialized: the baseline
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,7 +44,9 @@ class AcceptanceReport:
         heads = " | ".join(str(k) for k in range(1, len(self.position_accept_rate) + 1))
         return (f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step "
                 f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
-                f"- prompts: {self.num_prompts}, verification steps: {self.verify_steps}, "
+                + (f"- untrained drafter (baseline): {self.untrained_acceptance_length:.3f}\n"
+                   if self.untrained_acceptance_length is not None else "")
+                + f"- prompts: {self.num_prompts}, verification steps: {self.verify_steps}, "
                 f"generated tokens: {self.generated_tokens}\n\n"
                 f"Acceptance rate by draft position (share of steps that accepted position k):\n\n"
                 f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n")
@@ -111,8 +115,8 @@ def load_prompts(cfg: EvalConfig) -> list[dict]:
     return rows[: cfg.num_prompts] if cfg.num_prompts else rows
 
 
-def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConfig,
-                        prompts: list[dict] | None = None) -> AcceptanceReport:
+def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConfig, prompts: list[dict] | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> AcceptanceReport:
     """Acceptance length over the prompts (target and drafter already on the same device, eval mode)."""
     prompts = prompts if prompts is not None else load_prompts(cfg)
     eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
@@ -120,7 +124,9 @@ def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConf
     bs = drafter.spec.block_size
     all_steps: list[int] = []
     per_prompt = []
-    for p in prompts:
+    for n_done, p in enumerate(prompts):
+        if progress:
+            progress(n_done, len(prompts))
         ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,
                                             return_dict=True, **cfg.chat_template_kwargs)["input_ids"]
         gen, produced = speculative_generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
@@ -134,18 +140,25 @@ def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConf
                             position_accept_rate=rates, per_prompt=per_prompt)
 
 
-def evaluate_export(export_dir: str, target_path: str, cfg: EvalConfig) -> AcceptanceReport:
-    """Load the exported drafter and the target, evaluate, and store the result in the export's meta."""
+def evaluate_export(export_dir: str, target_path: str, cfg: EvalConfig, baseline: bool = True,
+                    seed: int = 0) -> AcceptanceReport:
+    """Load the exported drafter and the target, evaluate (and, with `baseline`, an untrained drafter of
+    the same architecture), and store the result in the export's dflash_meta.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from drafter.export import load_drafter, update_meta
-    from drafter.train import resolve_device
+    from drafter.runtime import resolve_device
     from target.probe import probe_dtype_kwarg
 
     device = str(resolve_device(cfg.device))
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = AutoModelForCausalLM.from_pretrained(target_path, **{probe_dtype_kwarg(): dtype}).to(device).eval()
     tok = AutoTokenizer.from_pretrained(target_path)
-    rep = evaluate_acceptance(load_drafter(export_dir, device, dtype), target, tok, cfg)
+    drafter = load_drafter(export_dir, device, dtype)
+    rep = evaluate_acceptance(drafter, target, tok, cfg)
+    if baseline:
+        torch.manual_seed(seed)
+        fresh = DFlashDrafter(drafter.spec).to(device=device, dtype=dtype).eval()
+        rep.untrained_acceptance_length = evaluate_acceptance(fresh, target, tok, cfg).acceptance_length
     update_meta(export_dir, acceptance=rep.to_dict())
     return rep

@@ -62,15 +62,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-def rope_tables(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, 1, L, head_dim] for positions [B, L]: rotary over the full head dim (Qwen3 default)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
-    ang = pos.to(torch.float32)[:, None, :, None] * inv
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, 1, L, head_dim] for positions [B, L]: rotary over the full head dim (Qwen3 default),
+    computed in float32 (as HF does) or float64 for a float64 model."""
+    dtype = torch.promote_types(dtype, torch.float32)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=dtype) / head_dim))
+    ang = pos.to(dtype)[:, None, :, None] * inv
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
 
@@ -79,7 +82,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Halves convention (HF rotate_half): [x1, x2] -> [x1, x2] * cos + [-x2, x1] * sin. x: [B, h, L, d]."""
     d = x.shape[-1]
     rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return (x.to(cos.dtype) * cos + rotated.to(cos.dtype) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -156,16 +159,21 @@ class DFlashDrafter(nn.Module):
     def forward(self, context, block_embeds, ctx_pos, block_pos, masks: dict) -> torch.Tensor:
         ctx = self.hidden_norm(self.fc(context))
         hd, theta = self.spec.head_dim, self.spec.rope_theta
-        q_rope = rope_tables(block_pos, hd, theta)
-        kv_rope = rope_tables(torch.cat([ctx_pos, block_pos], dim=1), hd, theta)
+        q_rope = rope_tables(block_pos, hd, theta, self.fc.weight.dtype)
+        kv_rope = rope_tables(torch.cat([ctx_pos, block_pos], dim=1), hd, theta, self.fc.weight.dtype)
         h = block_embeds
         for layer, kind in zip(self.layers, self.spec.layer_types):
             h = layer(h, ctx, q_rope, kv_rope, masks[kind])
         return self.norm(h)
 
-    def block_masks(self, anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int) -> dict:
-        return {kind: block_mask(anchors, keep, ctx_len, self.spec.block_size,
-                                 self.spec.sliding_window if kind == SLIDING else None)
+    def block_masks(self, anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, flex: bool = False) -> dict:
+        """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training)."""
+        if flex:
+            from drafter.flex import block_sparse_mask as make
+        else:
+            make = block_mask
+        return {kind: make(anchors, keep, ctx_len, self.spec.block_size,
+                           self.spec.sliding_window if kind == SLIDING else None)
                 for kind in set(self.spec.layer_types)}
 
 

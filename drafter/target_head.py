@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 class TargetHead(nn.Module):
     """Frozen embed / final norm / lm_head of the target. Never part of the drafter's state_dict."""
 
-    def __init__(self, embed: nn.Module, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, embed: nn.Module, norm: nn.Module | None, lm_head: nn.Module):
         super().__init__()
-        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head  # norm: None when not loaded
         self.requires_grad_(False)
 
     def logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
@@ -37,6 +37,7 @@ class TargetHead(nn.Module):
 
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits from its last decoder layer's pre-norm output."""
+        assert self.norm is not None, "load_target_head(need_norm=True) is needed for the target's logits"
         return self.lm_head(self.norm(last_hidden))
 
 
@@ -65,8 +66,30 @@ def _read_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_target_head(model_path: str, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> TargetHead:
+def _by_suffix(model_path: str) -> dict[str, str] | None:
+    """Names of the embedding and lm_head tensors when the usual HF names make them unambiguous."""
+    from target.modelfiles import safetensors_header
+
+    keys = [k for f in sorted(Path(model_path).glob("*.safetensors")) for k in safetensors_header(f)]
+    emb = [k for k in keys if k.endswith("embed_tokens.weight")]
+    head = [k for k in keys if k == "lm_head.weight"]
+    mc = read_model_config(model_path)
+    tied = (mc.get("text_config") or mc).get("tie_word_embeddings", mc.get("tie_word_embeddings", False))
+    if len(emb) != 1 or not (head or tied):
+        return None
+    return {"embed": emb[0], "lm_head": head[0] if head else emb[0]}
+
+
+def load_target_head(model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                     need_norm: bool = True) -> TargetHead:
+    """Without `need_norm` (no distillation) the target's modeling code is not even imported: the two
+    matrices are found by their usual names. Otherwise the module names come from a meta skeleton."""
+    if not need_norm and (names := _by_suffix(model_path)):
+        t = _read_tensors(model_path, list(names.values()))
+        embed = nn.Embedding.from_pretrained(t[names["embed"]], freeze=True)
+        head = nn.Linear(t[names["lm_head"]].shape[1], t[names["lm_head"]].shape[0], bias=False)
+        head.weight.data = t[names["lm_head"]]
+        return TargetHead(embed, None, head).to(device=device, dtype=dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)

@@ -1,5 +1,5 @@
-"""The end-to-end pipeline flow: prepare -> probe -> plan -> extract (one task per device) -> validate
--> promote CURRENT -> prune old versions.
+"""The end-to-end pipeline flow: [regenerate] -> prepare -> probe -> plan -> extract (one task per device)
+-> validate -> promote CURRENT -> prune old versions -> train -> evaluate.
 
 Reads like the diagram in DESIGN.md. Every stage is resumable from its own durable record, so rerunning
 the flow after a crash (or on a finished store) redoes no finished work.
@@ -16,7 +16,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pipeline.config import RunConfig, load_config
 from target.tokenizer import load_tokenizer
 from embedded import resolve_model
+from pipeline.errors import PipelineError
 from tasks.common import artifact_key, run_logger
+from tasks.drafter import evaluate_task, regenerate_task, train_task
 from tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
 from tasks.prepare import prepare_task
 from tasks.probe import probe_task
@@ -45,6 +47,11 @@ def dflash_pipeline(config_path: str | None = None, overrides: dict[str, Any] | 
 
 def run_stages(cfg: RunConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"output_dir": cfg.output_dir, "store": str(cfg.store)}
+    if "regenerate" in cfg.stages or cfg.regenerate.enabled:
+        regenerated = regenerate_task(cfg)  # the target's own answers replace the dataset's
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": regenerated.path,
+                                                                         "format": "messages"})})
+        summary["regenerated"] = regenerated.path
     prepared = prepare_task(cfg)
     report = probe_task(cfg)
     summary.update(prepared=prepared.path, layer_ids=report.layer_ids)
@@ -63,6 +70,18 @@ def run_stages(cfg: RunConfig) -> dict[str, Any]:
                 summary["pruned"] = store.prune(cfg.extract.keep_versions)
             summary["current"] = store.current()
         publish_run_summary(summary)
+    if "train" in cfg.stages:
+        version = summary.get("current") or Store(cfg.store).current()
+        if version is None:
+            raise PipelineError(f"no validated store version under {cfg.store} to train on: run the extract "
+                                "and validate stages first")
+        trained = train_task(cfg, version)
+        summary.update(drafter=trained.export_dir, final_loss=trained.final_loss)
+    if "evaluate" in cfg.stages:
+        export = summary.get("drafter") or str(cfg.drafter_dir / "export")
+        acceptance = evaluate_task(cfg, export)
+        summary.update(acceptance_length=round(acceptance.acceptance_length, 3),
+                       untrained_acceptance_length=acceptance.untrained_acceptance_length)
     run_logger().info("pipeline done: %s", summary)
     return summary
 

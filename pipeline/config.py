@@ -14,14 +14,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from drafter.config import EvalConfig, RegenerateConfig, TrainConfig
+from pipeline.base import Section
 from pipeline.errors import ConfigError
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+STAGES = ["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     source: str = Field("embedded", description="'embedded', a local .jsonl/.json/.parquet file, a directory "
                         "saved by `datasets`, or a HF dataset name (needs hub access).")
     format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
@@ -35,7 +35,7 @@ class DataConfig(_Section):
     rows_per_shard: int = Field(50_000, ge=1, description="Rows per Arrow file of the prepared dataset.")
 
 
-class TargetConfig(_Section):
+class TargetConfig(Section):
     model_path: str = Field("embedded", description="'embedded' or a local HF checkpoint directory.")
     tokenizer_path: str | None = Field(None, description="Defaults to model_path.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -44,7 +44,7 @@ class TargetConfig(_Section):
     trust_remote_code: bool = False
 
 
-class LayersConfig(_Section):
+class LayersConfig(Section):
     preset: Literal["dflash", "eagle3", "explicit"] = Field("dflash", description="How to choose layers.")
     num_draft_layers: int = Field(5, ge=1, description="dflash preset: one target layer per draft layer.")
     ids: list[int] | None = Field(None, description="explicit preset: decoder-layer indices (output of layer i).")
@@ -58,7 +58,7 @@ class LayersConfig(_Section):
         return self
 
 
-class ExtractConfig(_Section):
+class ExtractConfig(Section):
     devices: str = Field("auto", description="'auto' (every visible GPU, else one CPU worker), 'cpu', "
                          "or a comma list like 'cuda:0,cuda:1' ('cpu:0,cpu:1' = two CPU workers).")
     isolation: Literal["process", "thread"] = Field(
@@ -90,13 +90,13 @@ class ExtractConfig(_Section):
                                "older ones are pruned (CURRENT never is).")
 
 
-class ValidateConfig(_Section):
+class ValidateConfig(Section):
     recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
     seed: int = 0
     max_zero_row_fraction: float = Field(0.0, ge=0, le=1, description="Allowed share of all-zero token rows.")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     output_dir: str = Field("runs/default", description="Everything a run writes goes under here.")
     store_path: str | None = Field(None, description="Defaults to <output_dir>/store.")
     data: DataConfig = DataConfig()
@@ -104,16 +104,24 @@ class RunConfig(_Section):
     layers: LayersConfig = LayersConfig()
     extract: ExtractConfig = ExtractConfig()
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
-    stages: list[Literal["prepare", "probe", "extract", "validate", "train", "evaluate"]] = Field(
-        ["prepare", "probe", "extract", "validate"], description="Stages to run, in pipeline order.")
+    regenerate: RegenerateConfig = RegenerateConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvalConfig = EvalConfig()
+    stages: list[Literal["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]] = Field(
+        ["prepare", "probe", "extract", "validate", "train", "evaluate"],
+        description="Stages to run, in pipeline order ('regenerate' rewrites the assistant turns with the "
+        "target before preparation; also switched on by regenerate.enabled).")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
 
     @field_validator("stages")
     @classmethod
     def _known_order(cls, v: list[str]) -> list[str]:
-        order = ["prepare", "probe", "extract", "validate", "train", "evaluate"]
-        return sorted(set(v), key=order.index)
+        return sorted(set(v), key=STAGES.index)
+
+    @property
+    def drafter_dir(self) -> Path:
+        return self.train.output_dir and Path(self.train.output_dir) or Path(self.output_dir) / "drafter"
 
     @property
     def store(self) -> Path:

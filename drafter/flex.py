@@ -1,0 +1,57 @@
+"""Block-sparse attention for training on CUDA (FlexAttention).
+
+With ~512 blocks per sequence the dense mask of `model.block_mask` is mostly False: a block sees the
+context before its anchor and its own block_size tokens, nothing of the other blocks. FlexAttention
+skips the masked tiles instead of computing and discarding them. Same visibility rules as
+`drafter.model.block_mask` (the GPU check compares the two).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention as _  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention as fa
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fa, dynamic=True)
+
+
+def flex_attention(q, k, v, block_mask, enable_gqa: bool = False):
+    return _compiled()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def block_sparse_mask(anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int,
+                      window: int | None = None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    q_len = n * block_size
+    keep_t = keep if keep is not None else torch.ones_like(anchors, dtype=torch.bool)
+
+    def mask_mod(bi, _h, q_idx, kv_idx):
+        blk, off = q_idx // block_size, q_idx % block_size
+        a = anchors[bi, blk]
+        is_ctx = kv_idx < ctx_len
+        ctx_ok = is_ctx & (kv_idx < a) & keep_t[bi, blk]
+        k_rel = kv_idx - ctx_len
+        k_blk, k_off = k_rel // block_size, k_rel % block_size
+        blk_ok = (~is_ctx) & (k_blk == blk)
+        if window is not None:
+            ctx_ok = ctx_ok & (a + off - kv_idx < window)
+            blk_ok = blk_ok & (k_off <= off) & (off - k_off < window)
+        return ctx_ok | blk_ok
+
+    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device)

@@ -1,0 +1,107 @@
+"""Process plumbing of training: device and torch.distributed setup, SIGTERM handling, the resumable
+data order and the learning-rate schedule. Kept apart from the training step so train.py reads as
+the recipe."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from drafter.batching import collate
+from drafter.config import TrainConfig
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+    owns_group: bool = False
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {spec!r} asked for, but no GPU is visible; use 'cpu' or 'auto'")
+    return torch.device(spec)
+
+
+def setup(cfg: TrainConfig) -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(0, 1, resolve_device(cfg.device))
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        dev = torch.device(f"cuda:{local}")
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), dev, owns)
+
+
+class StopOnSigterm:
+    """SIGTERM -> flag (checked at step boundaries). Only the main thread may install handlers."""
+
+    def __init__(self):
+        self.flag, self._prev = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM: saving a checkpoint at the next step boundary")
+        self.flag = True
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+
+
+def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.device) -> Iterator[dict]:
+    """Micro-batches from global micro index `start` on, epoch after epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=cfg.seed)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        idx = list(sampler)
+        batches = [idx[i:i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+        skip = min(max(start - epoch * len(batches), 0), len(batches))
+        if skip < len(batches):
+            yield from DataLoader(ds, batch_sampler=batches[skip:], collate_fn=collate, num_workers=cfg.num_workers,
+                                  pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.num_workers else None)
+        epoch += 1
+
+
+def micro_per_epoch(n: int, world: int, batch_size: int) -> int:
+    return math.ceil(math.ceil(n / world) / batch_size)
+
+
+def lr_lambda(total: int, warmup_ratio: float, floor: float) -> Callable[[int], float]:
+    warm = math.ceil(warmup_ratio * total)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, total - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
