@@ -5,15 +5,18 @@ Both are written as ordinary HuggingFace directories and are loaded later throug
 single-threaded training) and cached under `$DFLASH_HOME/embedded/<BUILD_VERSION>`; it takes ~10-20 s
 on 2 CPU cores the first time.
 
-The model is briefly trained on the bundled conversations so that its greedy continuations are
-structured text rather than noise: a drafter can only show an acceptance gain on a target that
-behaves like a language model.
+The model is trained on the bundled conversations so that its greedy continuations are structured,
+prompt-dependent text rather than noise: a drafter can only show a meaningful acceptance gain on a
+target that behaves like a language model. That training takes minutes on a CPU, so its result is
+shipped in embedded/data/target/ (2 MB, made by `python -m embedded.build --ship`), and a build only
+trains in place if the shipped weights do not belong to the tokenizer built here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -27,7 +30,7 @@ DATA_DIR = Path(__file__).parent / "data"
 CONVERSATIONS = DATA_DIR / "conversations_sharegpt.jsonl"
 CONVERSATIONS_MESSAGES = DATA_DIR / "conversations_messages.jsonl"
 HELDOUT_PROMPTS = DATA_DIR / "heldout_prompts.jsonl"
-BUILD_VERSION = "v1"
+BUILD_VERSION = "v2"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"]
 
@@ -66,9 +69,10 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
-TRAIN_STEPS = 60
-TRAIN_SEQ = 160
-TRAIN_BATCH = 4
+SHIPPED = DATA_DIR / "target"
+TRAIN_STEPS = 800
+TRAIN_SEQ = 192
+TRAIN_BATCH = 8
 
 
 def dflash_home() -> Path:
@@ -138,7 +142,13 @@ def _training_ids(tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def build_model(out: Path, tokenizer) -> None:
+def tokenizer_sha(tokenizer) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+
+
+def build_model(out: Path, tokenizer, steps: int = TRAIN_STEPS) -> None:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
@@ -155,17 +165,19 @@ def build_model(out: Path, tokenizer) -> None:
         model = Qwen3_5ForCausalLM(config)
         ids = _training_ids(tokenizer)
         gen = torch.Generator().manual_seed(0)
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * s / steps)))
         model.train()
-        for step in range(TRAIN_STEPS):
+        for step in range(steps):
             starts = torch.randint(0, len(ids) - TRAIN_SEQ - 1, (TRAIN_BATCH,), generator=gen)
             batch = torch.stack([ids[s : s + TRAIN_SEQ] for s in starts.tolist()])
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if step % 20 == 0 or step == TRAIN_STEPS - 1:
-                log.info("embedded target training step %d/%d loss %.3f", step + 1, TRAIN_STEPS, loss.item())
+            sched.step()
+            if step % 50 == 0 or step == steps - 1:
+                log.info("embedded target training step %d/%d loss %.3f", step + 1, steps, loss.item())
         model.eval()
         model.save_pretrained(out)
     finally:
@@ -174,9 +186,32 @@ def build_model(out: Path, tokenizer) -> None:
 
 def _build(out: Path) -> None:
     tokenizer = build_tokenizer(out)
+    shipped_sha = SHIPPED / "TOKENIZER_SHA"
+    if shipped_sha.exists() and shipped_sha.read_text().strip() == tokenizer_sha(tokenizer):
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(SHIPPED / name, out / name)
+        return
+    log.warning("the shipped embedded target does not match this tokenizer (another `tokenizers` version?); "
+                "training it here, which takes several minutes")
     build_model(out, tokenizer)
 
 
+def ship() -> None:
+    """Train the embedded target and store it in embedded/data/target (committed)."""
+    import tempfile as _tf
+
+    with _tf.TemporaryDirectory() as d:
+        tokenizer = build_tokenizer(Path(d))
+        SHIPPED.mkdir(parents=True, exist_ok=True)
+        build_model(SHIPPED, tokenizer)
+        (SHIPPED / "TOKENIZER_SHA").write_text(tokenizer_sha(tokenizer) + "\n")
+
+
 if __name__ == "__main__":
+    import sys
+
     logging.basicConfig(level=logging.INFO)
-    print(ensure_built())
+    if "--ship" in sys.argv:
+        ship()
+    else:
+        print(ensure_built())
