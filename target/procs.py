@@ -9,7 +9,9 @@ retries, and a user error into a PipelineError it does not.
 
 from __future__ import annotations
 
+import contextvars
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -63,13 +65,16 @@ def run_in_process(spec: dict[str, Any], device: str, progress: Callable[[Progre
                 msg = json.loads(line[len(PREFIX):])
                 if msg["kind"] == "progress" and progress:
                     progress(Progress(**msg["data"]))
+                elif msg["kind"] == "log":  # re-emitted under the child's logger name: reaches the UI
+                    logging.getLogger(msg["name"]).log(msg["level"], "%s", msg["message"])
                 else:
                     outcome.update(msg)
             else:
                 tail.append(line.rstrip())
                 sys.stderr.write(f"[{device}] {line}")
 
-    reader = threading.Thread(target=pump, daemon=True)
+    # The reader thread runs in a copy of this thread's context, so Prefect's log handler sees the task run.
+    reader = threading.Thread(target=contextvars.copy_context().run, args=(pump,), daemon=True)
     reader.start()
     try:
         proc.wait(timeout=timeout_s)

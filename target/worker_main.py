@@ -8,6 +8,7 @@ second run cannot silently share the device.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict
 
@@ -24,8 +25,20 @@ def _send(kind: str, **payload) -> None:
     sys.stdout.flush()
 
 
+class _ToParent(logging.Handler):
+    """Forward this process's log records of the pipeline's packages to the parent (and the Prefect UI)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _send("log", name=record.name, level=record.levelno, message=record.getMessage())
+
+
 def main(spec_path: str) -> int:
     import torch
+
+    handler = _ToParent(level=logging.INFO)
+    for name in ("target", "storage", "pipeline"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
 
     spec = json.loads(open(spec_path).read())
     label = spec["label"]

@@ -80,6 +80,15 @@ def _task_runs_and_artifacts(lp: LocalPrefect, run_id: str):
     return _api(lp, go)
 
 
+def _logs(lp: LocalPrefect, run_id: str) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def go(client):
+        return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+
+    return _api(lp, go)
+
+
 def test_extract_only_deployment_with_override(server, tmp_path):
     run_id = server.run_deployment("extract-only", {"stages": ["prepare", "probe", "extract", "validate"],
                                                     "output_dir": str(tmp_path), "data.max_samples": 16,
@@ -93,6 +102,9 @@ def test_extract_only_deployment_with_override(server, tmp_path):
     keys = {a.key for a in arts}
     assert {"compat-probe", "extract-throughput", "validation", "run-summary", "store"} <= keys
     assert Store(tmp_path / "store").current() == "v0001"
+    # the logic packages' own loggers reach the UI, with rates
+    logs = _logs(server, run_id)
+    assert any(r.name == "target.extract" and "tokens/s" in r.message for r in logs), {r.name for r in logs}
 
 
 def test_nightly_adds_only_new_rows_and_moves_current_after_validation(server, tmp_path):
