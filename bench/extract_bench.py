@@ -1,0 +1,620 @@
+"""Extraction throughput on one GPU: forward-only ceiling (a), the pipeline's own extraction (b), and the
+seed-style naive loop (c), on random-weight models of real shapes. See bench/RESULTS.md.
+
+    python bench/extract_bench.py --out $OUT                 # Qwen3-8B and Qwen3.6-27B shapes on cuda:0
+    python bench/extract_bench.py --shapes tiny-dense,tiny-hybrid --device cpu --tokens 4000   # smoke test
+
+Per shape:
+- the model is built from its config directly on the device in the compute dtype (random weights). The 8B
+  shape is saved as a HF checkpoint on local disk and every stage loads it through target/loader.py. The 27B
+  shape (54 GB) is not saved: the GPU host's 64 GiB disk cannot hold it next to the store. Its directory
+  holds config.json and a sparse safetensors file (real header, unwritten data), so probe(), provenance
+  and fingerprints run unchanged, and run_worker's load_target is replaced by the model already on the GPU.
+  Loading is outside every measured window, so this changes no figure.
+- synthetic prepared samples: random token ids, lengths log-normal (median 900) clipped to [200, 4096].
+- (a) _Runner.run (hooks, early stop after the highest needed layer, packing on the device) over exactly the
+  batches (b) runs, outputs dropped; (b) Store.plan_units + run_worker into a Zarr store on local disk
+  (default config: zstd, 128 MiB shards, token_budget 16384); (c) batch 1, output_hidden_states=True,
+  .cpu(), torch.save per sample, on a prefix of the same samples (--naive-tokens).
+- MFU counts the matmuls actually run (every nn.Linear of the decoder layers up to the last captured one,
+  plus QK^T and PV of softmax attention, causal) against a bf16 GEMM measured in the same run. Gated
+  DeltaNet's recurrence is not counted, so hybrid MFU is a slight underestimate.
+- GPU busy: GPU time inside forwards (CUDA events) / wall time; also NVML utilization sampled every 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = {
+    "8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
+    "27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]),
+    "tiny-dense": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       tie_word_embeddings=False),
+    "tiny-hybrid": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]),
+}
+GIB = 2**30
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Sampler(threading.Thread):
+    """Samples this process's RSS and (on a GPU) NVML utilization every `period` s."""
+
+    def __init__(self, device: str, period: float = 0.1):
+        super().__init__(daemon=True)
+        self.period, self.samples, self._halt = period, [], threading.Event()
+        self.nvml = None
+        if device.startswith("cuda"):
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self.nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0))
+            except Exception as e:  # noqa: BLE001 - utilization sampling is optional
+                log("NVML unavailable:", e)
+
+    def run(self):
+        while not self._halt.wait(self.period):
+            util = None
+            if self.nvml:
+                try:
+                    util = self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu
+                except Exception:  # noqa: BLE001
+                    util = None
+            self.samples.append((time.monotonic(), rss_bytes(), util))
+
+    def stop(self):
+        self._halt.set()
+        self.join()
+
+    def window(self, t0: float, t1: float):
+        s = [x for x in self.samples if t0 <= x[0] <= t1]
+        util = [x[2] for x in s if x[2] is not None]
+        return (max((x[1] for x in s), default=rss_bytes()), (sum(util) / len(util) / 100) if util else None)
+
+
+def sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: str) -> float:
+    """bf16 GEMM TFLOP/s (median of 20 after warm-up) on random data; fp32 on CPU."""
+    if not device.startswith("cuda"):
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        return 2 * n**3 * 10 / (time.perf_counter() - t) / 1e12
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+# ---- models ------------------------------------------------------------------------------------------
+
+def make_config(shape: str):
+    from transformers import AutoConfig
+
+    spec = dict(SHAPES[shape])
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype):
+    """Random weights, initialised directly on the device in `dtype` (no host copy of a 54 GB model)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(shape)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    p0 = next(model.parameters())
+    if p0.device.type != torch.device(device).type or p0.dtype != dtype:
+        log(f"{shape}: built on {p0.device} in {p0.dtype}; moving")
+        model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def write_manifest_checkpoint(model, path: Path) -> None:
+    """config.json + a sparse model.safetensors: a valid header for every tensor, data left unwritten."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in model.state_dict().items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + off)
+
+
+def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[int, int]]]:
+    """2 x (weights of every nn.Linear in decoder layers 0..stop_after); and (heads, head_dim) of each
+    softmax-attention layer among them (for the T^2 term)."""
+    from target.loader import decoder_layers
+
+    cfg = getattr(model.config, "text_config", None) or model.config
+    lin, attn = 0, []
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    for i, layer in enumerate(decoder_layers(model)[: stop_after + 1]):
+        lin += sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        if types[i] == "full_attention":
+            attn.append((cfg.num_attention_heads, cfg.head_dim))
+    return 2.0 * lin, attn
+
+
+def flops(lengths: list[int], lin: float, attn: list[tuple[int, int]]) -> float:
+    # causal softmax attention: QK^T and PV, 2 flops per multiply-add, T(T+1)/2 pairs per head
+    return sum(lin * t + sum(4 * h * d * t * (t + 1) / 2 for h, d in attn) for t in lengths)
+
+
+# ---- data and store ----------------------------------------------------------------------------------
+
+def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total < n_tokens:
+        t = int(np.clip(rng.lognormal(math.log(900), 0.75), 200, 4096))
+        lengths.append(t)
+        total += t
+    ids = [rng.integers(10, vocab - 1, size=t, dtype=np.int32) for t in lengths]
+    return [f"s{i:07d}" for i in range(len(lengths))], lengths, ids
+
+
+def small_scale(shape: str) -> bool:
+    return shape.startswith("tiny")
+
+
+def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
+    from storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+    from storage.store import Store
+    from target.modelfiles import config_hash, weights_fingerprint
+
+    # The identity and provenance keys of target/plan.py:provenance (which needs the prepared dataset's
+    # `datasets` directory; this bench has in-memory samples instead).
+    prov = {"format_version": FORMAT_VERSION, "model_path": report.model_path, "model_type": report.model_type,
+            "model_config_hash": config_hash(report.model_path),
+            "weights_fingerprint": weights_fingerprint(report.model_path), "num_layers": report.num_layers,
+            "hidden_size": report.hidden_size, "layer_types": report.layer_types, "layer_ids": report.layer_ids,
+            "layer_convention": LAYER_CONVENTION, "capture_last": report.capture_last, "logical_dtype": dtype_name,
+            "compute_dtype": report.compute_dtype}
+    store = Store(root)
+    version = store.resolve_version(prov, "bench-dataset", new_version=True, incremental=False)
+    x = cfg.extract
+
+    def fetch(rows):
+        return [ids[i] for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
+
+    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib,
+                            x.compression)
+    return store, version, [u.name for u in plan.pending_units]
+
+
+def unit_batches(store, version, units, budget):
+    """(unit, [lengths of each batch's samples], token arrays) exactly as run_worker batches them."""
+    import zarr
+
+    from target.batching import plan_batches
+
+    out = []
+    for u in units:
+        samples = store.unit_attrs(version, u)["samples"]
+        ids = zarr.open_array(str(store.unit_dir(version, u) / "input_ids"), mode="r")[:]
+        lengths = [s[2] for s in samples]
+        for a, b in plan_batches(lengths, budget):
+            out.append([ids[samples[i][1]: samples[i][1] + samples[i][2]] for i in range(a, b)])
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+# ---- the three measurements --------------------------------------------------------------------------
+
+def measure_forward(model, report, batches, device, dtype, warm: bool = True) -> dict:
+    """(a): the pipeline's own forward (_Runner: pinned inputs, hooks, early stop, packing), outputs dropped."""
+    from target.capture import LayerCapture
+    from target.extract import _Runner
+
+    capture = LayerCapture(model, report.layer_ids, report.capture_last)
+    if warm:
+        # Hybrid: one untimed pass over the same batches. Triton (flash-linear-attention) autotunes and
+        # compiles per batch size and per sequence-length specialisation on first use, which took (a) from
+        # ~9k to 4k tokens/s when only a few short batches warmed it up. Dense: two batches (cuBLAS, SDPA).
+        warm_runner = _Runner(capture, device, 0, dtype)
+        for b in batches if report.hybrid else batches[:2]:
+            warm_runner.run(b)
+        sync(device)
+    runner = _Runner(capture, device, 0, dtype)
+    first = None
+    t0 = time.monotonic()
+    for i, b in enumerate(batches):
+        h, _ = runner.run(b)
+        if i == 0:
+            first = h  # compared with what (b) stores; copied to the host after the timed loop
+    sync(device)
+    wall = time.monotonic() - t0
+    first = first.to("cpu")
+    toks = sum(len(s) for b in batches for s in b)
+    gpu = runner.gpu_seconds()
+    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "gpu_busy": gpu / wall if gpu else None,
+            "first_batch": first}
+
+
+def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
+    """(c): seed-style: one sample at a time, output_hidden_states=True, .cpu(), torch.save per sample."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = False
+
+    def one(i, ids):
+        x = torch.from_numpy(ids.astype(np.int64))[None].to(device)
+        with torch.inference_mode():
+            out = model(input_ids=x, output_hidden_states=True, use_cache=False)
+        hs = torch.stack([out.hidden_states[j + 1][0] for j in report.layer_ids], dim=1).cpu()
+        torch.save({"input_ids": x[0].cpu(), "hidden_states": hs}, out_dir / f"hs_{i}.pt")
+
+    one(-1, samples[0][:256])  # warm-up
+    (out_dir / "hs_-1.pt").unlink()
+    t0 = time.monotonic()
+    for i, s in enumerate(samples):
+        one(i, s)
+    wall = time.monotonic() - t0
+    toks = sum(len(s) for s in samples)
+    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall,
+            "bytes_per_token": dir_bytes(out_dir) / toks}
+
+
+def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler, threads=None) -> dict:
+    """(b): run_worker into the store, end to end (model load excluded from tokens/s, as in WorkerResult)."""
+    from target.extract import default_writer_threads, run_worker
+
+    rss0 = rss_bytes()
+    t_call = time.monotonic()
+    r = run_worker(str(store.root), version, units, report, device, cfg.extract, dtype_name, 0,
+                   writer_threads=threads)
+    t_end = time.monotonic()
+    loop_wall = r.tokens / r.tokens_per_s
+    rss_peak, util = sampler.window(t_end - loop_wall, t_end)
+    vdir = store.root / version / "units"
+    stored = sum(dir_bytes(p) for p in vdir.rglob("hidden")) + sum(dir_bytes(p) for p in vdir.rglob("last_hidden"))
+    return {"tokens": r.tokens, "seconds": loop_wall, "tokens_per_s": r.tokens_per_s, "load_s": r.seconds - loop_wall,
+            "call_s": t_end - t_call, "gpu_busy": r.gpu_busy_fraction or None, "nvml_util": util,
+            "bytes_per_token": stored / r.tokens, "peak_gpu_gib": r.peak_gpu_gib, "rss_before_gib": rss0 / GIB,
+            "rss_peak_gib": rss_peak / GIB, "rss_delta_gib": (rss_peak - rss0) / GIB,
+            "host_buffer_gib": r.host_buffer_gib, "writer_wait_s": r.writer_wait_s, "copy_wait_s": r.copy_wait_s,
+            "forward_passes": r.forward_passes, "oom_splits": r.oom_splits,
+            "writer_threads": threads or default_writer_threads(device)}
+
+
+def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
+    """The first batch of (b), read back from the store, against (a)'s: same batch, same kernels."""
+    import zarr
+
+    from storage.layout import from_storage
+
+    g = zarr.open_group(str(store.unit_dir(version, unit)), mode="r")
+    got = from_storage(g["hidden"][: first.shape[0]], dtype_name)
+    ref = first.to(got.dtype)
+    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    return {"bit_equal": bool(torch.equal(got, ref)), "rel_err": rel, "finite": bool(torch.isfinite(got).all()),
+            "zero_rows": int((got.float().abs().amax(dim=(1, 2)) == 0).sum())}
+
+
+# ---- writer alone ------------------------------------------------------------------------------------
+
+def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tuple[str, int]]) -> list[dict]:
+    """Store-writer throughput without a GPU: bf16 rows of random normal values (compress like hidden
+    states: ratio ~1.45 with zstd), fed through UnitWriter.add in 16k-token batches."""
+    from pipeline.config import ExtractConfig
+    from storage.store import Store
+    from storage.writer import UnitWriter
+
+    batch = 16384 if total_gib >= 1 else 512
+    src = torch.randn(batch, k, h).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    n_tokens = int(total_gib * GIB // (k * h * 2)) // batch * batch
+    out = []
+    for codec, threads in configs:
+        root = work / f"writer_{codec}_{threads}"
+        x = ExtractConfig(compression=codec)
+        store = Store(root)
+        v = store.resolve_version({"format_version": 1, "layer_ids": list(range(k)), "hidden_size": h,
+                                   "logical_dtype": "bfloat16", "capture_last": False}, "w", True, False)
+        ids = [np.zeros(n_tokens, np.int32)]
+        plan = store.plan_units(v, ["x"], [n_tokens], lambda rows: (ids, [np.ones(n_tokens, np.uint8)]),
+                                n_tokens, x.chunk_mib, x.shard_mib, codec)
+        w = UnitWriter(store.unit_dir(v, plan.new_units[0].name), threads=threads)
+        t0 = time.monotonic()
+        for s in range(0, n_tokens, batch):
+            w.add(s, src)
+        w.finish()
+        w.close()
+        dt = time.monotonic() - t0
+        raw = n_tokens * k * h * 2
+        disk = dir_bytes(store.unit_dir(v, plan.new_units[0].name) / "hidden")
+        row = {"codec": codec, "threads": threads, "raw_GB_per_s": raw / dt / 1e9, "ratio": raw / disk,
+               "tokens_per_s_8b_rows": n_tokens / dt, "producer_blocked_s": w.blocked_s, "seconds": dt}
+        log("writer", row)
+        out.append(row)
+        shutil.rmtree(root)
+    return out
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+
+def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
+    from pipeline.config import load_config
+    from target import extract as extract_mod
+    from target.loader import load_target
+    from target.probe import probe
+
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype_name = "bfloat16" if cuda else "float32"
+    work = Path(args.work) / shape
+    shutil.rmtree(work, ignore_errors=True)
+    ckpt = work / "model"
+    res: dict = {"shape": shape}
+    n_tokens = (args.tokens_27b if shape == "27b" else 0) or args.tokens or (600_000 if shape == "8b" else 200_000)
+    save = (shape == "8b" or small_scale(shape)) and not args.no_save
+
+    t = time.monotonic()
+    model = build_model(shape, device, dtype)
+    log(f"{shape}: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params on {device} "
+        f"in {time.monotonic() - t:.1f} s")
+    if save:
+        t = time.monotonic()
+        model.save_pretrained(ckpt)
+        res["save_s"] = time.monotonic() - t
+        log(f"{shape}: saved checkpoint ({dir_bytes(ckpt) / 1e9:.1f} GB) in {res['save_s']:.1f} s")
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    else:
+        write_manifest_checkpoint(model, ckpt)
+    cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
+                             "extract.devices": device})
+    report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
+    res["layer_ids"], res["kernels"] = report.layer_ids, report.kernels
+    log(f"{shape}: probe: layers {report.layer_ids}, kernels {report.kernels}, dtype kwarg {report.dtype_kwarg}")
+
+    # The store must fit on the local disk beside the checkpoint (bf16 compresses ~1.4x); shrink if not.
+    row_bytes = len(report.layer_ids) * report.hidden_size * 2
+    room = shutil.disk_usage(work).free - 4 * GIB
+    if n_tokens * row_bytes / 1.3 > room:
+        n_tokens = max(10_000, int(room * 1.3 / row_bytes))
+        log(f"{shape}: only {room / GIB:.0f} GiB of disk left: {n_tokens} tokens")
+    naive_tokens = args.naive_tokens // (3 if shape == "27b" else 1)
+    sample_ids, lengths, ids = synthetic_samples(n_tokens, SHAPES[shape]["vocab_size"])
+    res["data"] = {"samples": len(lengths), "tokens": sum(lengths), "mean_len": float(np.mean(lengths)),
+                   "p50": int(np.median(lengths)), "p90": int(np.percentile(lengths, 90)), "max": max(lengths)}
+    store, version, units = plan_store(work / "store", report, cfg, sample_ids, lengths, ids, dtype_name)
+    batches = unit_batches(store, version, units, cfg.extract.token_budget)
+    log(f"{shape}: {res['data']}, {len(units)} unit(s), {len(batches)} batches")
+
+    if save:
+        t = time.monotonic()
+        model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device)
+        res["load_s"] = time.monotonic() - t
+        log(f"{shape}: loaded through target.loader in {res['load_s']:.1f} s")
+    lin, attn = linear_flops_per_token(model, max(report.layer_ids + ([report.num_layers - 1] if report.capture_last else [])))
+    total_flops = flops([len(s) for b in batches for s in b], lin, attn)
+
+    # (a)
+    a = measure_forward(model, report, batches, device, dtype)
+    first = a.pop("first_batch")
+    a["mfu"] = total_flops / a["seconds"] / 1e12 / peak_tflops
+    res["a"] = a
+    log(f"{shape}: (a) {a['tokens_per_s']:.0f} tok/s, MFU {a['mfu']:.3f}, GPU busy {a['gpu_busy']}")
+
+    # (c) on a prefix of the samples (original, unsorted order: the length mix)
+    naive, acc = [], 0
+    for s in ids if not args.skip_naive else []:
+        if acc >= naive_tokens:
+            break
+        naive.append(s)
+        acc += len(s)
+    if naive:
+        c = measure_naive(model, report, naive, device, work / "naive")
+        shutil.rmtree(work / "naive")
+    else:
+        c = {"tokens": 0, "seconds": 0, "tokens_per_s": float("nan"), "bytes_per_token": float("nan")}
+    res["c"] = c
+    log(f"{shape}: (c) {c['tokens_per_s']:.0f} tok/s on {c['tokens']} tokens, {c['bytes_per_token']:.0f} B/token")
+
+    # (b)
+    if save:
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    else:
+        extract_mod.load_target = lambda *a_, **k_: model  # the model already on the GPU (see the docstring)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
+    b["mfu"] = total_flops / b["seconds"] / 1e12 / peak_tflops
+    b["check_first_batch"] = check_first_batch(store, version, units[0], first, dtype_name)
+    res["b"] = b
+    log(f"{shape}: (b) {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, {json.dumps(b)}")
+
+    # (b) variants: other writer settings; the model is loaded once for all of them (load is excluded anyway)
+    variants = [v for v in args.b_variants.split(";") if v] if shape in args.variant_shapes.split(",") else []
+    if variants and save:
+        model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device)
+        extract_mod.load_target = lambda *a_, **k_: model
+    for spec in variants:
+        opts = dict(kv.split("=") for kv in spec.split(","))
+        vcfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt),
+                                  "target.dtype": dtype_name, "extract.devices": device,
+                                  **{f"extract.{k}": v for k, v in opts.items() if k != "threads"}})
+        shutil.rmtree(work / "store", ignore_errors=True)
+        vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
+        vb = measure_pipeline(vstore, vversion, vunits, report, vcfg, device, dtype_name, sampler,
+                              threads=int(opts["threads"]) if "threads" in opts else None)
+        vb["variant"] = spec
+        res.setdefault("b_variants", []).append(vb)
+        log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
+            f"writer wait {vb['writer_wait_s']:.2f} s")
+
+    extract_mod.load_target = load_target
+    res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
+    res["b_over_c"] = b["tokens_per_s"] / c["tokens_per_s"]
+    model = None
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8b,27b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tokens", type=int, default=0, help="tokens per measurement (a, b); 0: 600k for 8b, 200k for 27b")
+    p.add_argument("--tokens-27b", type=int, default=0, help="overrides --tokens for 27b")
+    p.add_argument("--naive-tokens", type=int, default=60_000, help="tokens for (c) (a third for 27b)")
+    p.add_argument("--writer-gib", type=float, default=2.5, help="raw GiB per writer-only configuration; 0 skips")
+    p.add_argument("--writer-configs", default="zstd:1,zstd:2,zstd:4,zstd:8,lz4:4,none:4")
+    p.add_argument("--b-variants", default="", help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4'")
+    p.add_argument("--variant-shapes", default="8b,tiny-dense")
+    p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
+    p.add_argument("--skip-naive", action="store_true", help="skip (c)")
+    p.add_argument("--work", default="/tmp/dflash-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    args = p.parse_args()
+
+    import transformers
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = args.device.startswith("cuda")
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpus": os.cpu_count(), "args": vars(args),
+            "gpu": torch.cuda.get_device_name(args.device) if cuda else None}
+    try:
+        import fla  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+
+        info["fla"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        info["fla"] = f"not importable: {type(e).__name__}: {e}"
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    du = shutil.disk_usage(args.work)
+    info["disk_free_gib"] = du.free / GIB
+    log("env", json.dumps(info))
+    results = {"env": info}
+
+    def dump():
+        (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+
+    results["matmul_tflops"] = peak = matmul_peak(args.device)
+    log(f"matmul peak: {peak:.0f} TFLOP/s")
+    if args.writer_gib > 0:
+        k, h = (5, 4096) if cuda else (5, 256)
+        cfgs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.writer_configs.split(",")]
+        results["writer"] = writer_bench(Path(args.work), k, h, args.writer_gib, cfgs)
+        dump()
+    sampler = Sampler(args.device)
+    sampler.start()
+    for shape in args.shapes.split(","):
+        try:
+            results[shape] = run_shape(shape, args, peak, sampler)
+        except Exception as e:  # noqa: BLE001 - keep the other shape's figures
+            import traceback
+
+            traceback.print_exc()
+            results[shape] = {"error": f"{type(e).__name__}: {e}"}
+        dump()
+    sampler.stop()
+    summary(results)
+    dump()
+
+
+def summary(results):
+    print("\n==== summary ====")
+    print(f"matmul peak {results['matmul_tflops']:.0f} TFLOP/s; {results['env'].get('gpu')}; fla {results['env']['fla']}")
+    for w in results.get("writer", []):
+        print(f"writer-only {w['codec']:>4} x{w['threads']}: {w['raw_GB_per_s']:.2f} GB/s raw, ratio {w['ratio']:.2f}")
+    for shape, r in results.items():
+        if not isinstance(r, dict) or "shape" not in r:
+            if isinstance(r, dict) and "error" in r:
+                print(shape, "ERROR", r["error"])
+            continue
+        a, b, c = r["a"], r["b"], r["c"]
+        print(f"[{shape}] a {a['tokens_per_s']:.0f} tok/s (MFU {a['mfu']:.3f}, busy {a['gpu_busy']}) | "
+              f"b {b['tokens_per_s']:.0f} tok/s (MFU {b['mfu']:.3f}, busy {b['gpu_busy']}, nvml {b['nvml_util']}) | "
+              f"c {c['tokens_per_s']:.0f} tok/s | b/a {r['b_over_a']:.3f} b/c {r['b_over_c']:.2f}")
+        print(f"[{shape}] bytes/token b {b['bytes_per_token']:.0f} c {c['bytes_per_token']:.0f} | peak GPU "
+              f"{b['peak_gpu_gib']:.1f} GiB | RSS before {b['rss_before_gib']:.2f} peak {b['rss_peak_gib']:.2f} GiB "
+              f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, copy wait "
+              f"{b['copy_wait_s']:.2f} s | check {b['check_first_batch']}")
+        for v in r.get("b_variants", []):
+            print(f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "
+                  f"writer wait {v['writer_wait_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
