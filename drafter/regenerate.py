@@ -91,7 +91,10 @@ def _generate(model, tok, prompts: list[list[dict]], cfg: RegenerateConfig, stop
         truncated += cut is None
         ids = ids if cut is None else ids[:cut]
         ntok += len(ids) + (cut is not None)
-        texts.append(tok.decode(ids, skip_special_tokens=True).strip())
+        # Keep special tokens: the ids are cut before the first stop token (so no end-of-turn or padding
+        # remains), and what is left, e.g. <think> ... </think>, is the target's own output. Skipping them
+        # trained the drafter on text the target never emits (every later token shifted by one).
+        texts.append(tok.decode(ids, skip_special_tokens=False).strip())
     return texts, truncated, ntok
 
 

@@ -25,7 +25,8 @@ from embedded import resolve_model, resolve_source
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = dict(block_size=8, num_draft_layers=2, batch_size=4, max_steps=30, lr=3e-3, warmup_ratio=0.1,
+STEPS = 100  # 10 epochs of the 40 regenerated conversations
+TRAIN = dict(block_size=8, num_draft_layers=2, batch_size=4, epochs=10, max_steps=STEPS, lr=3e-3, warmup_ratio=0.1,
              anchors_per_sample=64, checkpoint_every=5, num_workers=0, device="cpu")
 
 
@@ -76,10 +77,10 @@ def test_regeneration_output_and_resume(work):
 
 def test_loss_decreases(reference):
     losses = [h["loss"] for h in reference.history]
-    assert len(losses) == 30 and reference.steps == 30 and not reference.interrupted
+    assert len(losses) == STEPS and reference.steps == STEPS and not reference.interrupted
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
     assert Path(reference.plot_path).stat().st_size > 0
-    assert json.loads(Path(reference.metrics_path).read_text())["steps"] == 30
+    assert json.loads(Path(reference.metrics_path).read_text())["steps"] == STEPS
 
 
 def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
@@ -96,14 +97,14 @@ def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143  # saved at the next step boundary and stopped
     saved = json.loads((out / "result.json").read_text())
-    assert saved["interrupted"] and 5 <= saved["steps"] < 30
+    assert saved["interrupted"] and 5 <= saved["steps"] < STEPS
     assert not (out / "export").exists()
 
     resumed = train(TrainConfig(**TRAIN), work["store"], work["model"], out)
-    assert resumed.start_step == saved["steps"] > 0 and resumed.steps == 30
+    assert resumed.start_step == saved["steps"] > 0 and resumed.steps == STEPS
     # the resumed run replays what the uninterrupted one computed (same data order, anchors, optimizer)
     ref = [h["loss"] for h in reference.history]
-    assert [h["step"] for h in resumed.history] == list(range(1, 31))
+    assert [h["step"] for h in resumed.history] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([h["loss"] for h in resumed.history]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     a, b = load_drafter(resumed.export_dir).state_dict(), load_drafter(reference.export_dir).state_dict()
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a)
@@ -117,7 +118,7 @@ def test_acceptance_trained_beats_untrained(work, reference):
     cfg = EvalConfig(num_prompts=6, max_new_tokens=24, device="cpu")
     rep = evaluate_export(reference.export_dir, work["model"], cfg, baseline=True)
     meta = json.loads((Path(reference.export_dir) / "dflash_meta.json").read_text())
-    assert meta["acceptance"]["acceptance_length"] == rep.acceptance_length and meta["steps"] == 30
+    assert meta["acceptance"]["acceptance_length"] == rep.acceptance_length and meta["steps"] == STEPS
     for tau in (rep.acceptance_length, rep.untrained_acceptance_length):
         assert 1.0 <= tau <= 8
     assert len(rep.position_accept_rate) == 7 and rep.verify_steps > 0
