@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -39,21 +38,17 @@ def server(tmp_path_factory, model_dir):
 
 
 def _api(lp: LocalPrefect, fn):
-    old = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = lp.api_url
-    try:
-        from prefect.client.orchestration import get_client
+    """Call `fn(client)` against this test's server, whatever else this pytest session has configured
+    (the session's ephemeral harness sets PREFECT_API_URL in a settings context, above the environment)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        async def go():
-            async with get_client() as client:
-                return await fn(client)
+    async def go():
+        async with get_client() as client:
+            return await fn(client)
 
+    with temporary_settings(updates={PREFECT_API_URL: lp.api_url}):
         return asyncio.run(go())
-    finally:
-        if old is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = old
 
 
 def _wait(lp: LocalPrefect, run_id: str, timeout: float = 400):
