@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 # Test-only fault injection: "point:n" SIGKILLs this process at the n-th time `point` is reached.
 # Used by the kill tests to crash at exact places (inside a forward, after a shard write, mid-commit).
@@ -80,3 +81,27 @@ def remove_partials(directory: Path) -> int:
         p.unlink(missing_ok=True)
         n += 1
     return n
+
+
+@contextmanager
+def exclusive_lock(path: Path, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (non-blocking), recording `holder` in the file for whoever finds
+    it taken; `busy(recorded_holder)` is raised then. flock dies with its process: no stale locks."""
+    import fcntl
+
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise busy(f.read().strip() or "unknown") from None
+        f.seek(0)
+        f.truncate()
+        f.write(holder)
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pipeline.errors import StoreError
-from storage.commit import read_json, write_atomic
+from storage.commit import exclusive_lock, read_json, write_atomic
 from storage.layout import DTYPES, FORMAT_VERSION, chunking, compressors
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Store:
     def _writable(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-test"
+            probe = self.root / ".write-test"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
@@ -174,28 +174,11 @@ class Store:
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Exclusive use of this store by one run (plan, extract, validate, promote)."""
-        import fcntl
-
         self._writable()
-        path = self.root / ".lock"
-        with open(path, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "unknown"
-                raise StoreError(f"store {self.root} is in use by another run ({holder}); wait for it to "
-                                 "finish or use another store_path") from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}")
-            f.flush()
-            try:
-                yield
-            finally:
-                f.seek(0)
-                f.truncate()
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with exclusive_lock(self.root / ".lock", f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
+                            lambda holder: StoreError(f"store {self.root} is in use by another run ({holder}); "
+                                                      "wait for it to finish or use another store_path")):
+            yield
 
     # ---- units ----------------------------------------------------------------------------------
     def unit_dir(self, version: str, unit: str) -> Path:

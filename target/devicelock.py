@@ -5,7 +5,6 @@ flock locks die with their process, so a killed worker never leaves a stale lock
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.errors import PipelineError
+from storage.commit import exclusive_lock
 
 
 def lock_dir() -> Path:
@@ -36,19 +36,8 @@ def device_lock(device: str, store: str) -> Iterator[None]:
         yield
         return
     path = lock_dir() / f"{socket.gethostname()}-{_physical(device)}.lock"
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise PipelineError(f"{device} is in use by another dflash-pipeline run ({f.read().strip()}); "
-                                "choose other devices with extract.devices or wait for that run") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        f.flush()
-        try:
-            yield
-        finally:
-            f.seek(0)
-            f.truncate()
+    holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    with exclusive_lock(path, holder, lambda h: PipelineError(
+            f"{device} is in use by another dflash-pipeline run ({h}); choose other devices with "
+            "extract.devices or wait for that run")):
+        yield
