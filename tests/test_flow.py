@@ -8,6 +8,8 @@ import pytest
 
 from storage.store import Store
 
+EXTRACT_STAGES = ["prepare", "probe", "extract", "validate"]
+
 
 def _artifacts(flow_run_id):
     from prefect.client.orchestration import get_client
@@ -25,18 +27,21 @@ def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_
     from flows.pipeline import dflash_pipeline
 
     overrides = {"output_dir": str(tmp_path), "data.max_samples": 30, "extract.devices": "cpu",
-                 "layers.num_draft_layers": 3, "validate.recompute_samples": 2}
-    state = dflash_pipeline(overrides=overrides, return_state=True)
+                 "layers.num_draft_layers": 3, "validate.recompute_samples": 2,
+                 "train.max_steps": 4, "train.block_size": 4, "train.anchors_per_sample": 16,
+                 "train.num_workers": 0, "evaluate.num_prompts": 2, "evaluate.max_new_tokens": 8}
+    state = dflash_pipeline(overrides=overrides, return_state=True)  # every default stage, train included
     assert state.is_completed(), state
     summary = state.result()
     assert summary["validation"] == "PASS" and summary["new_samples"] == 30 and summary["forward_passes"] > 0
+    assert 1.0 <= summary["acceptance_length"] <= 4 and (tmp_path / "drafter" / "export" / "config.json").exists()
     store = Store(tmp_path / "store")
     assert store.current() == summary["version"] == "v0001"
     keys = {a.key for a in _artifacts(state.state_details.flow_run_id)}
     assert {"prepared-dataset", "compat-probe", "extract-throughput", "extract-progress-cpu", "validation",
-            "store"} <= keys
+            "store", "train-loss", "train-summary", "acceptance"} <= keys
 
-    again = dflash_pipeline(overrides=overrides)
+    again = dflash_pipeline(overrides={**overrides, "stages": EXTRACT_STAGES})
     assert again["forward_passes"] == 0 and again["new_samples"] == 0 and again["validation"] == "PASS"
 
 
@@ -55,6 +60,7 @@ def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, 
     from pipeline.errors import ValidationFailed
 
     base = {"output_dir": str(tmp_path), "extract.devices": "cpu", "layers.num_draft_layers": 2,
+            "stages": EXTRACT_STAGES,
             "validate.recompute_samples": 0, "extract.incremental": True, "extract.new_version": True}
     assert dflash_pipeline(overrides={**base, "data.max_samples": 10})["current"] == "v0001"
     # New rows extracted into v0002, but not yet validated ...
@@ -81,7 +87,7 @@ def test_two_worker_processes_one_killed_is_retried_and_resumes(prefect_harness,
     overrides = {"output_dir": str(tmp_path), "data.max_samples": 40, "extract.devices": "cpu:0,cpu:1",
                  "extract.isolation": "process", "layers.num_draft_layers": 2, "extract.unit_tokens": 800,
                  "extract.shard_mib": 0.05, "extract.chunk_mib": 0.02, "extract.token_budget": 256,
-                 "extract.task_retries": 1, "validate.recompute_samples": 2}
+                 "extract.task_retries": 1, "validate.recompute_samples": 2, "stages": EXTRACT_STAGES}
     state = dflash_pipeline(overrides=overrides, return_state=True)
     assert state.is_completed(), state
     assert (tmp_path / "killed-once").exists()  # a worker really died

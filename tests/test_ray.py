@@ -13,7 +13,8 @@ def test_ray_engine_extracts_and_validates(prefect_harness, model_dir, tmp_path)
 
     overrides = {"output_dir": str(tmp_path), "data.max_samples": 30, "extract.engine": "ray",
                  "extract.ray_workers": 2, "extract.unit_tokens": 1000, "layers.num_draft_layers": 2,
-                 "validate.recompute_samples": 2, "extract.devices": "cpu"}
+                 "validate.recompute_samples": 2, "extract.devices": "cpu",
+                 "stages": ["prepare", "probe", "extract", "validate"]}
     summary = dflash_pipeline(overrides=overrides)
     assert summary["validation"] == "PASS" and summary["new_samples"] == 30
     assert len(HiddenStateDataset(tmp_path / "store")) == 30
