@@ -26,34 +26,28 @@ def _quiet_libraries() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    from pipeline.config import load_config, parse_override
     from pipeline.errors import PipelineError
 
     try:
         cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    api = os.environ.get("PREFECT_API_URL")
-    if api:
-        from pipeline.serve import check_api
+        api = os.environ.get("PREFECT_API_URL")
+        if api:  # a configured server that is down: say so now, not after a long hang
+            from pipeline.serve import check_api
 
-        try:
             check_api(api)
-        except PipelineError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    from flows.pipeline import dflash_pipeline
+        from flows.pipeline import dflash_pipeline
 
-    overrides = dict(__import__("pipeline.config", fromlist=["parse_override"]).parse_override(s) for s in args.set)
-    try:
-        summary = dflash_pipeline(config_path=args.config, overrides=overrides)
+        summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2, default=str))
     print(f"\noutputs under {os.path.abspath(cfg.output_dir)}; store: {os.path.abspath(cfg.store)} "
           "(read it with storage.reader.HiddenStateDataset, see docs/STORE.md)")
+    if "acceptance_length" in summary:
+        print(f"drafter: {summary.get('drafter')}; acceptance length {summary['acceptance_length']} tokens per "
+              f"target step (untrained drafter: {summary.get('untrained_acceptance_length')})")
     return 0
 
 
