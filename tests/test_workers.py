@@ -49,3 +49,22 @@ def test_unreachable_api_url_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--set", f"output_dir={tmp_path}"],
                          env={**os.environ, "PREFECT_API_URL": url}, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "is unreachable" in res.stderr
+
+
+def test_hung_worker_is_killed_at_its_timeout(small_store):
+    """A worker that does not finish in extract.worker_timeout_s is killed (its whole process group) and
+    reported as a crash, which the task retries; here it is still importing torch when time is up."""
+    import time
+
+    from target.procs import WorkerCrashed, run_in_process
+
+    ex = small_store
+    spec = {"store_root": ex.store, "version": ex.plan.version, "units": [], "report": ex.report.to_dict(),
+            "extract": ex.cfg.extract.model_dump(mode="json"), "store_dtype": "float32", "pad_id": 0,
+            "attn_implementation": None, "threads": 1}
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCrashed, match="did not finish within extract.worker_timeout_s=1 s and was killed"):
+        run_in_process(spec, "cpu:0", timeout_s=1.0)
+    assert time.monotonic() - t0 < 15
+    leftovers = subprocess.run(["pgrep", "-f", "target.worker_main"], capture_output=True, text=True).stdout
+    assert not leftovers.strip()
