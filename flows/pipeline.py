@@ -13,20 +13,20 @@ from prefect import flow
 from prefect.artifacts import create_link_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from pipeline.config import RunConfig, load_config
-from target.tokenizer import load_tokenizer
 from embedded import resolve_model
+from pipeline.config import RunConfig, load_config
 from pipeline.errors import PipelineError
+from storage.store import PlanResult, Store
+from target.extract import WorkerResult
+from target.plan import assign_units
+from target.probe import ProbeReport
+from target.tokenizer import load_tokenizer
 from tasks.common import artifact_key, run_logger
 from tasks.drafter import evaluate_task, regenerate_task, train_task
 from tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
 from tasks.prepare import prepare_task
 from tasks.probe import probe_task
 from tasks.validate import validate_task
-from storage.store import PlanResult, Store
-from target.extract import WorkerResult
-from target.plan import assign_units
-from target.probe import ProbeReport
 
 
 def _run_name() -> str:

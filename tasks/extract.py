@@ -9,16 +9,15 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
-from dataprep.prepare import PrepareResult
+from dataprep.prepare import PrepareResult, template_fingerprint, tokenizer_fingerprint
+from embedded import resolve_model
 from pipeline.config import RunConfig
 from storage.store import PlanResult
 from target.extract import Progress, WorkerResult, run_worker
-from target.procs import run_in_process
 from target.plan import plan_extraction, store_dtype
 from target.probe import ProbeReport
+from target.procs import run_in_process
 from target.tokenizer import load_tokenizer
-from dataprep.prepare import template_fingerprint, tokenizer_fingerprint
-from embedded import resolve_model
 from tasks.common import artifact_key, retry_unless_user_error, run_logger
 
 
@@ -53,13 +52,8 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
         log.info("%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s", p.device, p.unit, p.tokens_done,
                  p.tokens_total, pct, p.tokens_per_s, p.eta_s)
 
-    if device.startswith("ray:"):  # Ray chose the node and set CUDA_VISIBLE_DEVICES to one GPU
-        import torch
-
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
-                            pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
-    elif cfg.extract.isolation == "process":
+    on_ray = device.startswith("ray:")  # a Ray worker process: Ray chose the node and pinned one GPU
+    if cfg.extract.isolation == "process" and not on_ray:
         n_cpu = sum(d.name.startswith("cpu") for d in report.devices)
         spec = {"store_root": str(cfg.store), "version": version, "units": units, "report": report.to_dict(),
                 "extract": cfg.extract.model_dump(mode="json"), "store_dtype": store_dtype(cfg, report),
@@ -67,6 +61,10 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
                 "threads": max(1, (os.cpu_count() or 1) // max(n_cpu, 1))}
         result = run_in_process(spec, device, progress, cfg.extract.worker_timeout_s)
     else:
+        if on_ray:
+            import torch
+
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
         result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
                             pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
     update_progress_artifact(artifact_id=artifact_id, progress=100.0)
