@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -162,7 +163,8 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
            "min": torch.full((len(k_ids),), math.inf, dtype=torch.float64),
            "max": torch.full((len(k_ids),), -math.inf, dtype=torch.float64), "n": 0}
     value_problem = None
-    for u in units:
+    t0, total_tokens = time.monotonic(), sum(store.unit_info(version, u).n_tokens for u in units)
+    for ui, u in enumerate(units, start=1):
         g = zarr.open_group(str(store.unit_dir(version, u)), mode="r", zarr_format=3)
         ua = dict(g.attrs)
         n_tok = ua["n_tokens"]
@@ -182,6 +184,9 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
             value_problem = f"{kind} in sample {_sample_at(ua['samples'], tok)} (unit {u}, token {tok}), layer {layer}"
         report.n_tokens += n_tok
         report.n_samples += len(ua["samples"])
+        rate = report.n_tokens / max(time.monotonic() - t0, 1e-9)
+        log.info("validated unit %s (%d/%d): %d/%d tokens, %.0f tokens/s, ETA %.0f s", u, ui, len(units),
+                 report.n_tokens, total_tokens, rate, (total_tokens - report.n_tokens) / max(rate, 1e-9))
     report.add("shapes and dtypes match metadata", not meta_errors, "; ".join(meta_errors[:3]) or f"[T, {len(k_ids)}, {hidden_size}] {logical}")
     report.add("input_ids equal the prepared ones", not id_errors, "; ".join(id_errors[:3]) or "all equal")
     report.add("values finite, no zero/constant rows", value_problem is None, value_problem or "clean")
