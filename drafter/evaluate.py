@@ -23,6 +23,7 @@ import torch
 from drafter.config import EvalConfig
 from drafter.model import DFlashDrafter
 from drafter.target_head import head_from_model
+from target.capture import LayerCapture
 
 
 @dataclass
@@ -52,20 +53,17 @@ class AcceptanceReport:
                 f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n")
 
 
-def _features(hidden_states: tuple, layer_ids: list[int]) -> torch.Tensor:
-    """[1, T, K*H]; layer id i = HF hidden_states[i + 1] (the output of decoder layer i)."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
 @torch.inference_mode()
 def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
                          stop_ids: set[int]) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, tokens produced per verification step)."""
     s, dev = drafter.spec, next(drafter.parameters()).device
     head = head_from_model(target)
+    capture = LayerCapture(target, s.target_layer_ids)  # the same layer values extraction stored
     seq = torch.tensor([prompt_ids], device=dev)
-    out = target(input_ids=seq, output_hidden_states=True, use_cache=False)
-    feats = _features(out.hidden_states, s.target_layer_ids)
+    with capture.recording(stop=False) as outs:
+        out = target(input_ids=seq, use_cache=False)
+    feats = capture.features(outs)
     gen = [int(out.logits[0, -1].argmax())]
     produced: list[int] = []
     while len(gen) < max_new_tokens and gen[-1] not in stop_ids:
@@ -78,7 +76,8 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: list[int], 
         h = drafter(feats[:, :ctx_len].to(next(drafter.parameters()).dtype), head.embed(block).to(feats.dtype),
                     torch.arange(ctx_len, device=dev)[None], bpos, masks)
         drafts = head.logits(h[0, 1:].to(head.lm_head.weight.dtype)).argmax(-1)
-        out = target(input_ids=torch.cat([seq, drafts[None]], dim=1), output_hidden_states=True, use_cache=False)
+        with capture.recording(stop=False) as outs:
+            out = target(input_ids=torch.cat([seq, drafts[None]], dim=1), use_cache=False)
         greedy = out.logits[0, ctx_len:].argmax(-1)  # greedy[j] = target's token after block position j
         n_acc = int((drafts == greedy[:-1]).long().cumprod(0).sum())
         new = drafts[:n_acc].tolist() + [int(greedy[n_acc])]
@@ -90,7 +89,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: list[int], 
                 break
         gen += new
         produced.append(len(new))
-        feats = _features(out.hidden_states, s.target_layer_ids)[:, : ctx_len + 1 + n_acc]
+        feats = capture.features(outs)[:, : ctx_len + 1 + n_acc]
     return gen, produced
 
 

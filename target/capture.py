@@ -1,6 +1,13 @@
-"""Capture the outputs of chosen decoder layers with forward hooks, stopping after the last needed one."""
+"""Capture the outputs of chosen decoder layers with forward hooks, stopping after the last needed one.
+
+This is the one definition of "the value of layer id i" (the output of decoder layer i, before any final
+norm): extraction stores it, and the drafter's evaluation reads the target's features through it too.
+"""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -13,11 +20,11 @@ class _Stop(Exception):
 
 
 class LayerCapture:
-    """`capture(input_ids, attention_mask)` -> (hidden [B, T, K, H], last [B, T, H] or None).
+    """`capture.packed(input_ids, attention_mask, rows)` -> (hidden [N, K, H], last [N, H] or None).
 
-    hidden[..., j, :] is the output of decoder layer layer_ids[j] (= HF hidden_states[id + 1]); `last` is
-    the last decoder layer's output before the final norm (HF's hidden_states[-1] is after it).
-    `capture.packed(input_ids, attention_mask, rows)` gives the same values for the real tokens only.
+    hidden[:, j, :] is the output of decoder layer layer_ids[j] (= HF hidden_states[id + 1], except for
+    the last layer, whose HF entry is after the final norm); `last` is the last decoder layer's output
+    before the final norm.
     """
 
     def __init__(self, model, layer_ids: list[int], capture_last: bool = False):
@@ -29,34 +36,30 @@ class LayerCapture:
         self.needed = sorted(set(self.layer_ids) | ({n - 1} if capture_last else set()))
         self.stop_after = self.needed[-1]
 
-    def _outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    @contextmanager
+    def recording(self, stop: bool) -> Iterator[dict[int, torch.Tensor]]:
+        """Hooks on the needed layers while the block runs; yields {layer id: output [B, T, H]}. With
+        `stop`, the forward ends (raises _Stop) after the highest needed layer."""
         outs: dict[int, torch.Tensor] = {}
 
         def hook(idx):
             def fn(_module, _args, output):
                 outs[idx] = output[0] if isinstance(output, tuple) else output
-                if idx == self.stop_after:
+                if stop and idx == self.stop_after:
                     raise _Stop
 
             return fn
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.needed]
         try:
-            crash_point("forward")
-            base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _Stop:
-            pass
+            yield outs
         finally:
             for h in handles:
                 h.remove()
-        return outs
 
-    @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        outs = self._outputs(input_ids, attention_mask)
-        hidden = torch.stack([outs[i] for i in self.layer_ids], dim=2)
-        last = outs[self.last_id] if self.last_id is not None else None
-        return hidden, last
+    def features(self, outs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The captured layers concatenated along the hidden axis: [B, T, K*H] (the drafter's input)."""
+        return torch.cat([outs[i] for i in self.layer_ids], dim=-1)
 
     @torch.inference_mode()
     def packed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor):
@@ -67,7 +70,12 @@ class LayerCapture:
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(-1, t.shape[-1]).index_select(0, rows)
 
-        outs = self._outputs(input_ids, attention_mask)
+        with self.recording(stop=True) as outs:
+            try:
+                crash_point("forward")
+                base_model(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _Stop:
+                pass
         hidden = torch.stack([pick(outs[i]) for i in self.layer_ids], dim=1)
         last = pick(outs[self.last_id]) if self.last_id is not None else None
         return hidden, last

@@ -125,15 +125,14 @@ class _Runner:
         # padded one, and the padded positions are dropped. Without a mask, SDPA takes its causal
         # flash kernel with grouped KV heads instead of the masked kernel on repeated KV heads, and
         # transformers skips its host-synchronising mask checks.
-        if not self.cuda:
-            hidden, last = self.capture.packed(ids, None, rows)
-            return hidden.to(self.dtype), (last.to(self.dtype) if last is not None else None)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         hidden, last = self.capture.packed(ids, None, rows)
         hidden, last = hidden.to(self.dtype), (last.to(self.dtype) if last is not None else None)
-        end.record()
-        self._timing.append((start, end))
+        if self.cuda:
+            end.record()
+            self._timing.append((start, end))
         return hidden, last
 
     def gpu_seconds(self) -> float:
@@ -283,7 +282,7 @@ def run_worker(
     result.copy_wait_s = to_writer.wait_s
     result.host_buffer_gib = writer_bytes / GIB
     if device.startswith("cuda"):
-        result.peak_gpu_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        result.peak_gpu_gib = torch.cuda.max_memory_allocated(device) / GIB
         result.gpu_busy_fraction = runner.gpu_seconds() / max(wall, 1e-9)
     log.info("%s: extracted %d tokens in %d units at %.0f tokens/s (%d forward passes, %d OOM splits, "
              "GPU busy %.0f%%, waited %.1f s for the writer)", device, done, len(todo), result.tokens_per_s,
