@@ -150,8 +150,7 @@ def _copy_rows(dst: np.ndarray, src) -> None:
 
 
 class UnitWriter:
-    def __init__(self, unit_dir: Path, io_retries: int = 5, max_pending: int | None = None,
-                 background: bool = True, threads: int = 1, buffers: BufferPool | None = None):
+    def __init__(self, unit_dir: Path, io_retries: int = 5, threads: int = 1, buffers: BufferPool | None = None):
         import zarr
 
         self.dir = Path(unit_dir)
@@ -175,9 +174,9 @@ class UnitWriter:
         assert self.committed % self.shard_tokens == 0 or self.committed == self.n_tokens, rec
         self._io_retries = io_retries
         threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store-writer") if background else None
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="store-writer")
         self._pending: list[Future] = []
-        self._max_pending = max(1, max_pending if max_pending is not None else threads + 1)
+        self._max_pending = threads + 1  # shards being written; one more is being filled
         self._lock = threading.Lock()
         self._written: dict[int, int] = {}  # shard start -> end, written but not yet committed (out of order)
         self._buffers = buffers or BufferPool()
@@ -238,15 +237,12 @@ class UnitWriter:
     def _submit(self) -> None:
         start, h, l, bufs = self._buf_start, self._h, self._l, self._bufs
         self._buf_start += len(h)
-        if self._pool is None:
-            self._write_and_commit(start, h, l, bufs)
-        else:
-            # Wait first, then submit, then take the next buffer: at most max_pending buffers are being
-            # written and one is being filled.
-            t0 = time.monotonic()
-            self._reap(block_until=self._max_pending - 1)
-            self.blocked_s += time.monotonic() - t0
-            self._pending.append(self._pool.submit(self._write_and_commit, start, h, l, bufs))
+        # Wait first, then submit, then take the next buffer: at most max_pending buffers are being
+        # written and one is being filled.
+        t0 = time.monotonic()
+        self._reap(block_until=self._max_pending - 1)
+        self.blocked_s += time.monotonic() - t0
+        self._pending.append(self._pool.submit(self._write_and_commit, start, h, l, bufs))
         if self._buf_start < self.n_tokens:
             self._new_buffer()
 
@@ -297,7 +293,7 @@ class UnitWriter:
         assert self.complete, "all tokens written but commit record not complete"
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None:  # idempotent: finish() closes, and callers close again in `finally`
             self._reap(block_until=0)
             self._pool.shutdown(wait=True)
             self._pool = None
