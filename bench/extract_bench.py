@@ -27,226 +27,31 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
-import struct
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-SHAPES = {
-    "8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
-    "27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]),
-    "tiny-dense": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       tie_word_embeddings=False),
-    "tiny-hybrid": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]),
-}
+from common import (SHAPES, build_model, dir_bytes, log, plan_store, synthetic_samples,  # noqa: E402
+                    write_manifest_checkpoint)
+from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, rss_bytes, sync  # noqa: E402
+
 GIB = 2**30
 
 
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-def rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class Sampler(threading.Thread):
-    """Samples this process's RSS and (on a GPU) NVML utilization every `period` s."""
-
-    def __init__(self, device: str, period: float = 0.1):
-        super().__init__(daemon=True)
-        self.period, self.samples, self._halt = period, [], threading.Event()
-        self.nvml = None
-        if device.startswith("cuda"):
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self.nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0))
-            except Exception as e:  # noqa: BLE001 - utilization sampling is optional
-                log("NVML unavailable:", e)
-
-    def run(self):
-        while not self._halt.wait(self.period):
-            util = None
-            if self.nvml:
-                try:
-                    util = self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu
-                except Exception:  # noqa: BLE001
-                    util = None
-            self.samples.append((time.monotonic(), rss_bytes(), util))
-
-    def stop(self):
-        self._halt.set()
-        self.join()
-
-    def window(self, t0: float, t1: float):
-        s = [x for x in self.samples if t0 <= x[0] <= t1]
-        util = [x[2] for x in s if x[2] is not None]
-        return (max((x[1] for x in s), default=rss_bytes()), (sum(util) / len(util) / 100) if util else None)
-
-
-def sync(device: str):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(device: str) -> float:
-    """bf16 GEMM TFLOP/s (median of 20 after warm-up) on random data; fp32 on CPU."""
-    if not device.startswith("cuda"):
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        t = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        return 2 * n**3 * 10 / (time.perf_counter() - t) / 1e12
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
-    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
-
-
-# ---- models ------------------------------------------------------------------------------------------
-
-def make_config(shape: str):
-    from transformers import AutoConfig
-
-    spec = dict(SHAPES[shape])
-    return AutoConfig.for_model(spec.pop("model_type"), **spec)
-
-
-def build_model(shape: str, device: str, dtype: torch.dtype):
-    """Random weights, initialised directly on the device in `dtype` (no host copy of a 54 GB model)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = make_config(shape)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    p0 = next(model.parameters())
-    if p0.device.type != torch.device(device).type or p0.dtype != dtype:
-        log(f"{shape}: built on {p0.device} in {p0.dtype}; moving")
-        model = model.to(device=device, dtype=dtype)
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-def write_manifest_checkpoint(model, path: Path) -> None:
-    """config.json + a sparse model.safetensors: a valid header for every tensor, data left unwritten."""
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-    header, off = {"__metadata__": {"format": "pt"}}, 0
-    for name, t in model.state_dict().items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + off)
-
-
-def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[int, int]]]:
-    """2 x (weights of every nn.Linear in decoder layers 0..stop_after); and (heads, head_dim) of each
-    softmax-attention layer among them (for the T^2 term)."""
-    from target.loader import decoder_layers
-
-    cfg = getattr(model.config, "text_config", None) or model.config
-    lin, attn = 0, []
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    for i, layer in enumerate(decoder_layers(model)[: stop_after + 1]):
-        lin += sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
-        if types[i] == "full_attention":
-            attn.append((cfg.num_attention_heads, cfg.head_dim))
-    return 2.0 * lin, attn
-
-
-def flops(lengths: list[int], lin: float, attn: list[tuple[int, int]]) -> float:
-    # causal softmax attention: QK^T and PV, 2 flops per multiply-add, T(T+1)/2 pairs per head
-    return sum(lin * t + sum(4 * h * d * t * (t + 1) / 2 for h, d in attn) for t in lengths)
-
-
-# ---- data and store ----------------------------------------------------------------------------------
-
-def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    lengths, total = [], 0
-    while total < n_tokens:
-        t = int(np.clip(rng.lognormal(math.log(900), 0.75), 200, 4096))
-        lengths.append(t)
-        total += t
-    ids = [rng.integers(10, vocab - 1, size=t, dtype=np.int32) for t in lengths]
-    return [f"s{i:07d}" for i in range(len(lengths))], lengths, ids
+# ---- batches as the pipeline makes them ------------------------------------------------------------
 
 
 def small_scale(shape: str) -> bool:
     return shape.startswith("tiny")
-
-
-def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
-    from storage.layout import FORMAT_VERSION, LAYER_CONVENTION
-    from storage.store import Store
-    from target.modelfiles import config_hash, weights_fingerprint
-
-    # The identity and provenance keys of target/plan.py:provenance (which needs the prepared dataset's
-    # `datasets` directory; this bench has in-memory samples instead).
-    prov = {"format_version": FORMAT_VERSION, "model_path": report.model_path, "model_type": report.model_type,
-            "model_config_hash": config_hash(report.model_path),
-            "weights_fingerprint": weights_fingerprint(report.model_path), "num_layers": report.num_layers,
-            "hidden_size": report.hidden_size, "layer_types": report.layer_types, "layer_ids": report.layer_ids,
-            "layer_convention": LAYER_CONVENTION, "capture_last": report.capture_last, "logical_dtype": dtype_name,
-            "compute_dtype": report.compute_dtype}
-    store = Store(root)
-    version = store.resolve_version(prov, "bench-dataset", new_version=True, incremental=False)
-    x = cfg.extract
-
-    def fetch(rows):
-        return [ids[i] for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
-
-    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib,
-                            x.compression)
-    return store, version, [u.name for u in plan.pending_units]
 
 
 def unit_batches(store, version, units, budget):
@@ -263,10 +68,6 @@ def unit_batches(store, version, units, budget):
         for a, b in plan_batches(lengths, budget):
             out.append([ids[samples[i][1]: samples[i][1] + samples[i][2]] for i in range(a, b)])
     return out
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 # ---- the three measurements --------------------------------------------------------------------------

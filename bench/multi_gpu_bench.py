@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from extract_bench import build_model, log, plan_store, synthetic_samples  # noqa: E402
+from common import build_model, log, plan_store, synthetic_samples  # noqa: E402
 
 
 def spec(store_root: Path, version: str, units: list[str], report, cfg, dtype_name: str) -> dict:

@@ -1,0 +1,127 @@
+"""What the benchmarks share: model shapes built from configs with random weights, synthetic prepared
+samples, and a store planned for them (without a `datasets` directory). Used by extract_bench.py and
+multi_gpu_bench.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = {
+    "8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
+    "27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]),
+    "tiny-dense": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       tie_word_embeddings=False),
+    "tiny-hybrid": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]),
+}
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def make_config(shape: str):
+    from transformers import AutoConfig
+
+    spec = dict(SHAPES[shape])
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype):
+    """Random weights, initialised directly on the device in `dtype` (no host copy of a 54 GB model)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(shape)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    p0 = next(model.parameters())
+    if p0.device.type != torch.device(device).type or p0.dtype != dtype:
+        log(f"{shape}: built on {p0.device} in {p0.dtype}; moving")
+        model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def write_manifest_checkpoint(model, path: Path) -> None:
+    """config.json + a sparse model.safetensors: a valid header for every tensor, data left unwritten."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in model.state_dict().items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + off)
+
+
+def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total < n_tokens:
+        t = int(np.clip(rng.lognormal(math.log(900), 0.75), 200, 4096))
+        lengths.append(t)
+        total += t
+    ids = [rng.integers(10, vocab - 1, size=t, dtype=np.int32) for t in lengths]
+    return [f"s{i:07d}" for i in range(len(lengths))], lengths, ids
+
+
+def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
+    from storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+    from storage.store import Store
+    from target.modelfiles import config_hash, weights_fingerprint
+
+    # The identity and provenance keys of target/plan.py:provenance (which needs the prepared dataset's
+    # `datasets` directory; this bench has in-memory samples instead).
+    prov = {"format_version": FORMAT_VERSION, "model_path": report.model_path, "model_type": report.model_type,
+            "model_config_hash": config_hash(report.model_path),
+            "weights_fingerprint": weights_fingerprint(report.model_path), "num_layers": report.num_layers,
+            "hidden_size": report.hidden_size, "layer_types": report.layer_types, "layer_ids": report.layer_ids,
+            "layer_convention": LAYER_CONVENTION, "capture_last": report.capture_last, "logical_dtype": dtype_name,
+            "compute_dtype": report.compute_dtype}
+    store = Store(root)
+    version = store.resolve_version(prov, "bench-dataset", new_version=True, incremental=False)
+    x = cfg.extract
+
+    def fetch(rows):
+        return [ids[i] for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
+
+    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib,
+                            x.compression)
+    return store, version, [u.name for u in plan.pending_units]
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
