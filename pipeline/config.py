@@ -121,7 +121,7 @@ class RunConfig(Section):
 
     @property
     def drafter_dir(self) -> Path:
-        return self.train.output_dir and Path(self.train.output_dir) or Path(self.output_dir) / "drafter"
+        return Path(self.train.output_dir) if self.train.output_dir else Path(self.output_dir) / "drafter"
 
     @property
     def store(self) -> Path:

@@ -140,6 +140,7 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
     where: dict[str, tuple[str, int, int]] = {}
     counts: Counter[str] = Counter()
     incomplete = []
+    total_tokens = 0
     units = store.units(version)
     for u in units:
         rec = store.commit_record(version, u)
@@ -148,6 +149,7 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
         for sid, start, length in store.unit_attrs(version, u)["samples"]:
             counts[sid] += 1
             where[sid] = (u, start, length)
+            total_tokens += length
     missing = [s for s in prepared_ids if s not in counts]
     dupes = [s for s, c in counts.items() if c > 1]
     report.add("units committed", not incomplete, f"{len(units)} units" + (f"; incomplete: {incomplete[:5]}" if incomplete else ""))
@@ -163,7 +165,7 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
            "min": torch.full((len(k_ids),), math.inf, dtype=torch.float64),
            "max": torch.full((len(k_ids),), -math.inf, dtype=torch.float64), "n": 0}
     value_problem = None
-    t0, total_tokens = time.monotonic(), sum(store.unit_info(version, u).n_tokens for u in units)
+    t0 = time.monotonic()
     for ui, u in enumerate(units, start=1):
         g = zarr.open_group(str(store.unit_dir(version, u)), mode="r", zarr_format=3)
         ua = dict(g.attrs)
