@@ -14,7 +14,7 @@ Per shape:
 - synthetic prepared samples: random token ids, lengths log-normal (median 900) clipped to [200, 4096].
 - (a) _Runner.run (hooks, early stop after the highest needed layer, packing on the device) over exactly the
   batches (b) runs, outputs dropped; (b) Store.plan_units + run_worker into a Zarr store on local disk
-  (default config: zstd, 128 MiB shards, token_budget 16384); (c) batch 1, output_hidden_states=True,
+  (default config: zstd, 128 MiB shards, token_budget auto); (c) batch 1, output_hidden_states=True,
   .cpu(), torch.save per sample, on a prefix of the same samples (--naive-tokens).
 - MFU counts the matmuls actually run (every nn.Linear of the decoder layers up to the last captured one,
   plus QK^T and PV of softmax attention, causal) against a bf16 GEMM measured in the same run. Gated
@@ -25,6 +25,7 @@ Per shape:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -237,7 +238,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
                              "extract.devices": device})
     report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
-    res["layer_ids"], res["kernels"] = report.layer_ids, report.kernels
+    res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
     log(f"{shape}: probe: layers {report.layer_ids}, kernels {report.kernels}, dtype kwarg {report.dtype_kwarg}")
 
     # The store must fit on the local disk beside the checkpoint (bf16 compresses ~1.4x); shrink if not.
@@ -251,7 +252,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     res["data"] = {"samples": len(lengths), "tokens": sum(lengths), "mean_len": float(np.mean(lengths)),
                    "p50": int(np.median(lengths)), "p90": int(np.percentile(lengths, 90)), "max": max(lengths)}
     store, version, units = plan_store(work / "store", report, cfg, sample_ids, lengths, ids, dtype_name)
-    batches = unit_batches(store, version, units, cfg.extract.token_budget)
+    batches = unit_batches(store, version, units, report.token_budget)
     log(f"{shape}: {res['data']}, {len(units)} unit(s), {len(batches)} batches")
 
     if save:
@@ -312,7 +313,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
                                   **{f"extract.{k}": v for k, v in opts.items() if k != "threads"}})
         shutil.rmtree(work / "store", ignore_errors=True)
         vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
-        vb = measure_pipeline(vstore, vversion, vunits, report, vcfg, device, dtype_name, sampler,
+        vreport = dataclasses.replace(report, token_budget=int(opts.get("token_budget", report.token_budget)))
+        vb = measure_pipeline(vstore, vversion, vunits, vreport, vcfg, device, dtype_name, sampler,
                               threads=int(opts["threads"]) if "threads" in opts else None)
         vb["variant"] = spec
         res.setdefault("b_variants", []).append(vb)

@@ -13,6 +13,11 @@
 4. Drafter training (drafter.train, 5 draft layers, block 16) on cuda:0 reads the N-GPU store from disk
    through the store reader with DataLoader workers; reported: tokens/s and the share of step time spent
    waiting for data (GPU busy = 1 - that share).
+
+With --split, steps 3-4 are replaced by one replica split across the first two devices: the probe is told
+each GPU has room for only 3/4 of the weights (extract.max_gpu_memory_gib), so it must decide on a split
+("cuda:0+cuda:1", target/placement.py); that replica's worker extracts the same samples as step 2, and its
+store is compared with step 2's, array by array (bit-equal expected: same kernels, same batches).
 """
 
 from __future__ import annotations
@@ -41,6 +46,41 @@ def spec(store_root: Path, version: str, units: list[str], report, cfg, dtype_na
             "attn_implementation": None, "threads": 1}
 
 
+def split_replica(args, work: Path, report, dtype_name: str, vocab: int, one, one_store: Path,
+                  devices: list[str]) -> dict:
+    import numpy as np
+    import zarr
+
+    from pipeline.config import load_config
+    from target.probe import probe
+    from target.procs import run_in_process
+
+    # Same batches as the one-GPU run, and room for 3/4 of the weights per GPU: one GPU cannot hold a replica.
+    cap = report.working_gib + report.weights_gib * 0.75
+    scfg = load_config(None, {"output_dir": str(work), "target.model_path": report.model_path,
+                              "target.dtype": dtype_name, "extract.devices": ",".join(devices),
+                              "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
+                              "extract.max_gpu_memory_gib": cap, "extract.token_budget": report.token_budget})
+    sreport = probe(scfg.target, scfg.layers, scfg.extract, report.model_path)
+    log(f"probe with {cap:.1f} GiB per GPU: {sreport.placement}; token budget {sreport.token_budget}")
+    assert sreport.replicas == ["+".join(devices)], sreport.replicas
+    ids = synthetic_samples(args.tokens_per_gpu, vocab, seed=1)
+    store, v, units = plan_store(work / "store_split", sreport, scfg, *ids, dtype_name)
+    r = run_in_process(spec(work / "store_split", v, units, sreport, scfg, dtype_name), sreport.replicas[0])
+    log(f"split replica {sreport.replicas[0]}: {r.tokens_per_s:,.0f} tokens/s, peak {r.peak_gpu_gib:.1f} GiB/GPU")
+    equal, compared = True, 0
+    for u in units:
+        a = zarr.open_array(str(one_store / "units" / u / "hidden"), mode="r")[:]
+        b = zarr.open_array(str(store.unit_dir(v, u) / "hidden"), mode="r")[:]
+        equal &= a.shape == b.shape and bool(np.array_equal(a, b))
+        compared += a.shape[0]
+    log(f"stored states of the split replica bit-equal to one GPU's: {equal} ({compared} tokens)")
+    return {"placement": sreport.placement, "max_gpu_memory_gib": cap, "weights_gib": sreport.weights_gib,
+            "tokens": r.tokens, "tokens_per_s": r.tokens_per_s, "vs_one_gpu": r.tokens_per_s / one.tokens_per_s,
+            "peak_gpu_gib_max_over_replica": r.peak_gpu_gib, "gpu_busy": r.gpu_busy_fraction,
+            "bit_equal_to_one_gpu": equal, "tokens_compared": compared}
+
+
 def main() -> int:
     from pipeline.config import load_config
     from target.plan import assign_units
@@ -52,6 +92,7 @@ def main() -> int:
     p.add_argument("--tokens-per-gpu", type=int, default=400_000)
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny-dense shape, two CPU worker processes")
+    p.add_argument("--split", action="store_true", help="one replica split across two GPUs instead of 3-4")
     p.add_argument("--work", default="/tmp/dflash-mgpu")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
@@ -81,6 +122,12 @@ def main() -> int:
     one = run_in_process(spec(work / "store1", v1, units1, report, cfg, dtype_name), devices[0])
     res["one_device"] = {"tokens": one.tokens, "tokens_per_s": one.tokens_per_s, "seconds_with_load": one.seconds}
     log(f"1 device: {one.tokens_per_s:,.0f} tokens/s ({one.tokens} tokens)")
+
+    if args.split:
+        res["split"] = split_replica(args, work, report, dtype_name, vocab, one, work / "store1" / v1, devices[:2])
+        (out / "multi_gpu_bench.json").write_text(json.dumps(res, indent=2, default=str))
+        print(json.dumps(res, indent=2, default=str))
+        return 0
 
     # every device at once
     ids = synthetic_samples(args.tokens_per_gpu * len(devices), vocab, seed=2)

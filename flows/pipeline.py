@@ -56,7 +56,7 @@ def run_stages(cfg: RunConfig) -> dict[str, Any]:
     report = probe_task(cfg)
     summary.update(prepared=prepared.path, layer_ids=report.layer_ids)
     if "extract" in cfg.stages:
-        store = Store(cfg.store)
+        store = Store(cfg.store, cfg.store_options)
         with store.lock():  # one run per store at a time, whichever deployment started it
             summary["previous_current"] = store.current()
             plan = plan_task(cfg, report, prepared)
@@ -71,7 +71,7 @@ def run_stages(cfg: RunConfig) -> dict[str, Any]:
             summary["current"] = store.current()
         publish_run_summary(summary)
     if "train" in cfg.stages:
-        version = summary.get("current") or Store(cfg.store).current()
+        version = summary.get("current") or Store(cfg.store, cfg.store_options).current()
         if version is None:
             raise PipelineError(f"no validated store version under {cfg.store} to train on: run the extract "
                                 "and validate stages first")
@@ -95,13 +95,14 @@ def extract_on_devices(cfg: RunConfig, report: ProbeReport, plan: PlanResult) ->
 
         results = run_on_ray(cfg, report, plan, pad_id)
     else:
-        assignment = assign_units(plan.pending_units, [d.name for d in report.devices])
+        assignment = assign_units(plan.pending_units, report.replicas)  # a device or a split replica's GPUs
         worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
         futures = [worker.submit(cfg, report, plan.version, units, device, pad_id)
                    for device, units in assignment.items()]
         results = [f.result() for f in futures]
     publish_throughput(results, plan.version_path)
-    create_link_artifact(key=artifact_key("store"), link=f"file://{plan.version_path}",
+    link = plan.version_path if "://" in plan.version_path else f"file://{plan.version_path}"
+    create_link_artifact(key=artifact_key("store"), link=link,
                          description="the hidden-state store version written by this run")
     return results
 

@@ -1,4 +1,5 @@
-"""Extraction on a Ray cluster: one Prefect task per Ray worker, each holding one GPU.
+"""Extraction on a Ray cluster: one Prefect task per Ray worker, each holding one GPU (or the GPUs of one
+split replica, target/placement.py).
 
 Why Ray (through prefect-ray's RayTaskRunner) rather than a home-made launcher: it already schedules
 tasks onto nodes by resources (`num_gpus=1` sets CUDA_VISIBLE_DEVICES per task), restarts dead workers,
@@ -15,22 +16,25 @@ from prefect_ray.context import remote_options
 from pipeline.config import RunConfig
 from storage.store import PlanResult
 from target.extract import WorkerResult
+from target.placement import replica_devices
 from target.plan import assign_units
 from target.probe import ProbeReport
 from tasks.extract import extract_worker_task
 
 
-def _ray_workers(cfg: RunConfig) -> tuple[int, dict]:
+def _ray_workers(cfg: RunConfig, report: ProbeReport) -> tuple[int, dict]:
+    """(workers, Ray resources of each): a worker holds one GPU, or as many as the probe's split replica."""
     import ray
 
+    per = len(replica_devices(report.replicas[0]))
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    n = cfg.extract.ray_workers or gpus or 1
-    return n, ({"num_gpus": 1} if gpus else {"num_cpus": cfg.extract.ray_cpus_per_worker})
+    n = cfg.extract.ray_workers or gpus // per or 1
+    return n, ({"num_gpus": per} if gpus else {"num_cpus": cfg.extract.ray_cpus_per_worker})
 
 
 @flow(name="extract-on-ray", flow_run_name="extract on ray ({plan.version})")
 def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: int) -> list[WorkerResult]:
-    n, resources = _ray_workers(cfg)
+    n, resources = _ray_workers(cfg, report)
     assignment = assign_units(plan.pending_units, [f"ray:{i}" for i in range(n)])
     worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
     with remote_options(**resources):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,7 +18,14 @@ from drafter.config import EvalConfig, RegenerateConfig, TrainConfig
 from pipeline.base import Section
 from pipeline.errors import ConfigError
 
+# token_budget "auto": the probe's bounds (bench/RESULTS.md has the measurements behind the cap).
+AUTO_TOKEN_BUDGET_MAX = 65536
+CPU_TOKEN_BUDGET = 16384
+
 STAGES = ["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]
+# store_options keys that hold credentials (s3fs / botocore names): refused, see RunConfig._no_secrets.
+SECRET_OPTION_KEYS = {"key", "secret", "token", "password", "access_key", "secret_key", "session_token",
+                      "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 
 
 class DataConfig(Section):
@@ -72,7 +79,15 @@ class ExtractConfig(Section):
     ray_cpus_per_worker: int = Field(1, ge=1, description="CPUs per Ray worker when the cluster has no GPUs.")
     worker_timeout_s: float | None = Field(None, gt=0, description="Kill and retry a worker process that "
                                            "runs longer than this (a hung GPU); None = no limit.")
-    token_budget: int = Field(16384, ge=16, description="Max padded tokens per forward batch.")
+    gpus_per_replica: int = Field(0, ge=0, description="GPUs one copy of the target spans (its layers split "
+                                  "across them with a transformers device_map). 0 = the probe decides: one "
+                                  "GPU per copy when it fits, else the fewest GPUs that hold one.")
+    max_gpu_memory_gib: float | None = Field(None, gt=0, description="Plan with at most this much memory "
+                                             "per GPU (default: its free memory), e.g. to leave room for "
+                                             "other processes.")
+    token_budget: Annotated[int, Field(ge=16)] | Literal["auto"] = Field(
+        "auto", description="Max padded tokens per forward batch. 'auto': sized by the probe from the GPU "
+        f"memory left after the weights, at most {AUTO_TOKEN_BUDGET_MAX} ({CPU_TOKEN_BUDGET} on CPU).")
     unit_tokens: int = Field(1_000_000, ge=16, description="Tokens per work unit (the unit of assignment "
                              "and of completion; a crash redoes at most one store shard of one unit).")
     shard_mib: float = Field(128.0, gt=0, description="Target size of one store shard file (MiB, raw).")
@@ -98,7 +113,13 @@ class ValidateConfig(Section):
 
 class RunConfig(Section):
     output_dir: str = Field("runs/default", description="Everything a run writes goes under here.")
-    store_path: str | None = Field(None, description="Defaults to <output_dir>/store.")
+    store_path: str | None = Field(None, description="Defaults to <output_dir>/store. A local path, or "
+                                   "s3://bucket/prefix for S3-compatible object storage (AWS S3, MinIO, ...; "
+                                   "needs the [s3] extra).")
+    store_options: dict[str, Any] = Field({}, description="Non-secret fsspec/s3fs options of an s3:// store, "
+                                          "e.g. {endpoint_url: 'http://minio:9000'} (also AWS_ENDPOINT_URL). "
+                                          "Credentials come only from the AWS chain: AWS_ACCESS_KEY_ID / "
+                                          "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role.")
     data: DataConfig = DataConfig()
     target: TargetConfig = TargetConfig()
     layers: LayersConfig = LayersConfig()
@@ -119,13 +140,40 @@ class RunConfig(Section):
     def _known_order(cls, v: list[str]) -> list[str]:
         return sorted(set(v), key=STAGES.index)
 
+    @field_validator("store_options")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # The run config is saved in the store's provenance attributes: a secret here would be published.
+        def walk(d: dict, where: str) -> None:
+            for k, x in d.items():
+                if str(k).lower() in SECRET_OPTION_KEYS:
+                    raise ValueError(f"{where}{k} would put a credential into the run config, which is saved in "
+                                     "the store's provenance; give credentials through the AWS chain instead: "
+                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN) in the "
+                                     "environment, AWS_PROFILE with ~/.aws/credentials, or an instance role")
+                if isinstance(x, dict):
+                    walk(x, f"{where}{k}.")
+
+        walk(v, "store_options.")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_object_storage(self) -> "RunConfig":
+        if self.store_options and "://" not in self.store:
+            raise ValueError(f"store_options only apply to an s3:// store_path; the store is the local path "
+                             f"{self.store}")
+        return self
+
     @property
     def drafter_dir(self) -> Path:
         return Path(self.train.output_dir) if self.train.output_dir else Path(self.output_dir) / "drafter"
 
     @property
-    def store(self) -> Path:
-        return Path(self.store_path) if self.store_path else Path(self.output_dir) / "store"
+    def store(self) -> str:
+        """The store's location: a local path, or a URL (s3://bucket/prefix) kept as written."""
+        if self.store_path and "://" in self.store_path:
+            return self.store_path
+        return str(Path(self.store_path) if self.store_path else Path(self.output_dir) / "store")
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

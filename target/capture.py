@@ -67,8 +67,8 @@ class LayerCapture:
         model's device), in that order. Gathering by a known index keeps the forward asynchronous: a
         boolean mask would make the host wait for the GPU to learn the output's size."""
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, t.shape[-1]).index_select(0, rows)
+        def pick(t: torch.Tensor) -> torch.Tensor:  # (on a split replica, layers live on several GPUs)
+            return t.reshape(-1, t.shape[-1]).to(rows.device).index_select(0, rows)
 
         with self.recording(stop=True) as outs:
             try:

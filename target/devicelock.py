@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from pipeline.errors import PipelineError
 from storage.commit import exclusive_lock
+from target.placement import replica_devices
 
 
 def lock_dir() -> Path:
@@ -22,22 +23,23 @@ def lock_dir() -> Path:
     return d
 
 
-def _physical(device: str) -> str:
-    """The lock is per physical GPU: map cuda:i through CUDA_VISIBLE_DEVICES as the parent saw it."""
-    if not device.startswith("cuda:"):
-        return device.replace(":", "")
+def _physical(device: str, position: int) -> str:
+    """The lock is per physical GPU. In the worker process CUDA_VISIBLE_DEVICES lists exactly its replica's
+    GPUs, in order (target/procs.child_env), so the replica's `position`-th GPU is that entry."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return f"gpu{visible.split(',')[0]}" if visible else f"gpu{device.split(':')[1]}"
+    return f"gpu{visible.split(',')[position]}" if visible else f"gpu{device.split(':')[1]}"
 
 
 @contextmanager
 def device_lock(device: str, store: str) -> Iterator[None]:
-    if device.startswith("cpu"):  # CPU workers may share the host
-        yield
-        return
-    path = lock_dir() / f"{socket.gethostname()}-{_physical(device)}.lock"
-    holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-    with exclusive_lock(path, holder, lambda h: PipelineError(
-            f"{device} is in use by another dflash-pipeline run ({h}); choose other devices with "
-            "extract.devices or wait for that run")):
+    """Locks every GPU of `device` (one, or a split replica's "cuda:0+cuda:1")."""
+    with ExitStack() as stack:
+        for position, d in enumerate(replica_devices(device)):
+            if d.startswith("cpu"):  # CPU workers may share the host
+                continue
+            path = lock_dir() / f"{socket.gethostname()}-{_physical(d, position)}.lock"
+            holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            stack.enter_context(exclusive_lock(path, holder, lambda h, d=d: PipelineError(
+                f"{d} is in use by another dflash-pipeline run ({h}); choose other devices with "
+                "extract.devices or wait for that run")))
         yield

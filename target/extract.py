@@ -28,6 +28,7 @@ from storage.writer import BufferPool, UnitWriter
 from target.batching import plan_batches
 from target.capture import LayerCapture
 from target.loader import load_target
+from target.placement import input_device, replica_devices
 from target.probe import ProbeReport
 
 log = logging.getLogger(__name__)
@@ -215,31 +216,37 @@ def run_worker(
     progress: Callable[[Progress], None] | None = None,
     attn_implementation: str | None = None,
     writer_threads: int | None = None,
+    store_options: dict | None = None,
 ) -> WorkerResult:
-    """`writer_threads` overrides default_writer_threads(device) (benchmarks compare settings)."""
-    store = Store(store_root)
+    """`writer_threads` overrides default_writer_threads(device) (benchmarks compare settings);
+    `store_options`: the non-secret options of an s3:// store (RunConfig.store_options)."""
+    store = Store(store_root, store_options)
     result = WorkerResult(device=device, units=list(units))
     todo = [u for u in units if not store.commit_record(version, u).get("complete")]
     result.units_skipped = len(units) - len(todo)
     if not todo:
         log.info("%s: all %d units already complete; nothing to do", device, len(units))
         return result
-    import zarr
 
     t0 = time.monotonic()
-    model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device, attn_implementation)
-    runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), device, pad_id,
+    gpus = [d for d in replica_devices(device) if d.startswith("cuda")]
+    first = input_device(device)
+    if gpus:
+        torch.cuda.set_device(first)  # CUDA events and streams below belong to the replica's first GPU
+    model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device, attn_implementation,
+                        working_bytes=report.working_gib * GIB, max_gpu_memory_gib=cfg.max_gpu_memory_gib)
+    runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), first, pad_id,
                      DTYPES[store_dtype][1])
-    to_writer = _ToWriter(device)
+    to_writer = _ToWriter(first)
     threads = writer_threads or default_writer_threads(device)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
+    for g in gpus:
+        torch.cuda.reset_peak_memory_stats(g)
     total = sum(store.unit_info(version, u).n_tokens - store.commit_record(version, u)["committed_tokens"]
                 for u in todo)
     done, t_start, last_report = 0, time.monotonic(), 0.0
     writer_bytes = 0
     for unit in todo:
-        writer = UnitWriter(store.unit_dir(version, unit), io_retries=cfg.io_retries, threads=threads,
+        writer = UnitWriter(store.unit_location(version, unit), io_retries=cfg.io_retries, threads=threads,
                             buffers=to_writer.buffers)
         writer_bytes = max(writer_bytes, writer.buffer_bytes)
         inflight: _Batch | None = None
@@ -247,9 +254,9 @@ def run_worker(
             samples = writer.samples
             starts = [s[1] for s in samples]
             lengths = [s[2] for s in samples]
-            ids = zarr.open_array(str(store.unit_dir(version, unit) / "input_ids"), mode="r")[:]
+            ids = store.open_unit(version, unit)["input_ids"][:]
             u0, resume = time.monotonic(), writer.resume_token
-            for a, b in plan_batches(lengths, cfg.token_budget):
+            for a, b in plan_batches(lengths, report.token_budget):
                 end_tok = starts[b - 1] + lengths[b - 1]
                 if end_tok <= writer.resume_token:
                     continue
@@ -281,8 +288,8 @@ def run_worker(
     result.tokens_per_s = done / max(wall, 1e-9)
     result.copy_wait_s = to_writer.wait_s
     result.host_buffer_gib = writer_bytes / GIB
-    if device.startswith("cuda"):
-        result.peak_gpu_gib = torch.cuda.max_memory_allocated(device) / GIB
+    if gpus:
+        result.peak_gpu_gib = max(torch.cuda.max_memory_allocated(g) for g in gpus) / GIB
         result.gpu_busy_fraction = runner.gpu_seconds() / max(wall, 1e-9)
     log.info("%s: extracted %d tokens in %d units at %.0f tokens/s (%d forward passes, %d OOM splits, "
              "GPU busy %.0f%%, waited %.1f s for the writer)", device, done, len(todo), result.tokens_per_s,

@@ -7,26 +7,39 @@ import logging
 import torch
 
 from pipeline.errors import CompatError
+from target.placement import device_map_summary, replica_devices, split_device_map
 
 log = logging.getLogger(__name__)
 
 
 def load_target(model_path: str, dtype_kwarg: str, dtype: str, device: str, attn_implementation: str | None = None,
-                trust_remote_code: bool = False):
-    """An eval-mode causal LM on `device`, gradients off. Missing or corrupt files raise CompatError."""
+                trust_remote_code: bool = False, working_bytes: float = 0.0, max_gpu_memory_gib: float | None = None):
+    """An eval-mode causal LM on `device`, gradients off. Missing or corrupt files raise CompatError.
+
+    `device` may be a split replica ("cuda:0+cuda:1", target/placement.py): the decoder layers are then
+    spread over those GPUs in proportion to their free memory (capped at `max_gpu_memory_gib`), less
+    `working_bytes` kept free on each for activations."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {dtype_kwarg: getattr(torch, dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    devices = replica_devices(device)
+    if len(devices) > 1:
+        cap = (max_gpu_memory_gib or float("inf")) * 2**30
+        room = [min(torch.cuda.mem_get_info(torch.device(d))[0], cap) - working_bytes for d in devices]
+        kwargs["device_map"] = split_device_map(model_path, devices, room)
+        log.info("%s split across %s (%s)", model_path, device, device_map_summary(kwargs["device_map"]))
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
         raise CompatError(f"cannot load the target from {model_path}: {type(e).__name__}: {e}. "
                           "Check that the directory holds a complete checkpoint (config.json and all weight "
                           "files) and re-download it if a file is truncated") from e
-    model.to(device).eval()
+    if len(devices) == 1:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     if getattr(model.config, "use_cache", None):
         model.config.use_cache = False

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ExtractConfig, LayersConfig, TargetConfig
+from pipeline.config import AUTO_TOKEN_BUDGET_MAX, CPU_TOKEN_BUDGET, ExtractConfig, LayersConfig, TargetConfig
 from pipeline.errors import CompatError, ConfigError
 from target.layers import select_layer_ids
 from target.modelfiles import read_model_config, weights_bytes
+from target.placement import plan_replicas, replica_devices
 
 log = logging.getLogger(__name__)
 GDN_PADDING_FIXED = "5.15.0"  # first transformers release where padded batches through GDN layers are right
@@ -57,6 +58,9 @@ class ProbeReport:
     working_gib: float
     placement: str
     warnings: list[str] = field(default_factory=list)
+    # One entry per worker: a device, or GPUs joined by '+' that share one split replica (target/placement.py).
+    replicas: list[str] = field(default_factory=list)
+    token_budget: int = CPU_TOKEN_BUDGET  # padded tokens per forward batch (extract.token_budget, resolved)
 
     @property
     def hybrid(self) -> bool:
@@ -93,6 +97,7 @@ class ProbeReport:
 | compute dtype | {self.compute_dtype} |
 | placement | {self.placement} |
 | weights / working memory per replica | {self.weights_gib:.2f} GiB / {self.working_gib:.2f} GiB |
+| tokens per forward batch | {self.token_budget} |
 
 ## Devices
 | device | kind | total GiB | free GiB |
@@ -197,6 +202,20 @@ def _device_info(name: str) -> DeviceInfo:
     return DeviceInfo(name, torch.cuda.get_device_name(torch.device(name)), total / GIB, free / GIB)
 
 
+def auto_token_budget(usable: dict[str, float], weights: float, per_token: float) -> int:
+    """extract.token_budget='auto': the batch whose working set takes at most 80% of the memory the
+    smallest GPU has left after a whole replica's weights, in steps of 1024, between 2048 and
+    AUTO_TOKEN_BUDGET_MAX (past which batches gain nothing: bench/RESULTS.md). CPU: CPU_TOKEN_BUDGET.
+    A target too large for one GPU gets 8192 (its split replicas keep that much working memory per GPU)."""
+    gpus = [v for d, v in usable.items() if d.startswith("cuda")]
+    if not gpus:
+        return CPU_TOKEN_BUDGET
+    spare = min(gpus) - weights
+    if spare < 2048 * per_token:
+        return 8192
+    return int(min(AUTO_TOKEN_BUDGET_MAX, 0.8 * spare / per_token)) // 1024 * 1024
+
+
 def compute_dtype(cfg: TargetConfig, devices: list[str]) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
@@ -230,20 +249,23 @@ def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, mo
     bpe = torch.finfo(getattr(torch, dtype)).bits // 8
     w_bytes = weights_bytes(model_path, bpe)
     inter = int(text.get("intermediate_size", 4 * hidden))
-    # Peak working set of one forward: the MLP's three intermediate activations and a few hidden-size
-    # buffers per token, plus the captured layers; 1.3x for allocator slack.
-    working = extract.token_budget * (3 * inter + 8 * hidden + len(ids) * hidden) * bpe * 1.3
+    # Peak working set of one forward per token: the MLP's three intermediate activations and a few
+    # hidden-size buffers, plus the captured layers; 1.3x for allocator slack.
+    per_token = (3 * inter + 8 * hidden + len(ids) * hidden) * bpe * 1.3
     infos = [_device_info(d) for d in devices]
-    need = (w_bytes + working) / GIB
-    short = [d for d in infos if d.free_gib < need]
-    if short:
-        worst = min(short, key=lambda d: d.free_gib)
-        raise CompatError(
-            f"one replica of {model_path} needs ~{need:.1f} GiB ({w_bytes / GIB:.1f} GiB weights in {dtype} + "
-            f"{working / GIB:.1f} GiB working memory for extract.token_budget={extract.token_budget}), but "
-            f"{worst.name} has {worst.free_gib:.1f} GiB free. Lower extract.token_budget, free the device, "
-            "or use devices with more memory")
-    placement = f"one replica per device on {len(devices)} device(s): {', '.join(devices)}"
+    cap = extract.max_gpu_memory_gib if extract.max_gpu_memory_gib is not None else float("inf")
+    usable = {d.name: (min(d.free_gib, cap) if d.name.startswith("cuda") else d.free_gib) * GIB for d in infos}
+    budget = extract.token_budget
+    if budget == "auto":
+        budget = auto_token_budget(usable, w_bytes, per_token)
+    working = budget * per_token
+    replicas, placed = plan_replicas(usable, w_bytes, working, extract.gpus_per_replica, kernels["accelerate"],
+                                     model_path)
+    warnings += placed
+    split = any("+" in r for r in replicas)
+    placement = (f"{len(replicas)} replica(s), each split across {len(replica_devices(replicas[0]))} GPUs by "
+                 f"layers: {'; '.join(replicas)}" if split else
+                 f"one replica per device on {len(replicas)} device(s): {', '.join(replicas)}")
     return ProbeReport(
         python=platform.python_version(), torch_version=torch.__version__,
         transformers_version=transformers.__version__, dtype_kwarg=probe_dtype_kwarg(), kernels=kernels,
@@ -252,6 +274,7 @@ def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, mo
         num_layers=num_layers, hidden_size=hidden, layer_types=layer_types, layer_ids=ids,
         layer_preset=layers.preset, capture_last=layers.capture_last, compute_dtype=dtype, devices=infos,
         weights_gib=w_bytes / GIB, working_gib=working / GIB, placement=placement, warnings=warnings,
+        replicas=replicas, token_budget=budget,
     )
 
 

@@ -1,4 +1,4 @@
-"""Run an extraction worker in its own process, pinned to one device.
+"""Run an extraction worker in its own process, pinned to one device (or one split replica's GPUs).
 
 Why a process per device: a hung or crashed GPU worker (CUDA error, OOM-kill, a kernel that never
 returns) can be killed and retried without taking the other devices down, and Prefect's task timeouts
@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from pipeline.errors import PipelineError
 from target.extract import Progress, WorkerResult
+from target.placement import replica_devices
 
 PREFIX = "@@dflash "
 
@@ -33,14 +34,15 @@ class WorkerCrashed(RuntimeError):
 
 
 def child_env(device: str) -> tuple[dict[str, str], str]:
-    """Environment and in-process device name for a worker pinned to `device`."""
+    """Environment and in-process device name for a worker pinned to `device` (a GPU, or the GPUs of a split
+    replica, "cuda:2+cuda:3", which the child then sees as cuda:0+cuda:1)."""
     env = dict(os.environ)
     if device.startswith("cuda:"):
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        index = int(device.split(":")[1])
-        physical = visible.split(",")[index] if visible else str(index)
-        env["CUDA_VISIBLE_DEVICES"] = physical  # the child sees exactly its GPU, as cuda:0
-        return env, "cuda:0"
+        indices = [int(d.split(":")[1]) for d in replica_devices(device)]
+        physical = [visible.split(",")[i] if visible else str(i) for i in indices]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)  # the child sees exactly its GPUs, from cuda:0
+        return env, "+".join(f"cuda:{i}" for i in range(len(indices)))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1))))
     return env, "cpu"
 

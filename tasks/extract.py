@@ -55,7 +55,8 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
     on_ray = device.startswith("ray:")  # a Ray worker process: Ray chose the node and pinned one GPU
     if cfg.extract.isolation == "process" and not on_ray:
         n_cpu = sum(d.name.startswith("cpu") for d in report.devices)
-        spec = {"store_root": str(cfg.store), "version": version, "units": units, "report": report.to_dict(),
+        spec = {"store_root": cfg.store, "store_options": cfg.store_options, "version": version, "units": units,
+                "report": report.to_dict(),
                 "extract": cfg.extract.model_dump(mode="json"), "store_dtype": store_dtype(cfg, report),
                 "pad_id": pad_id, "attn_implementation": cfg.target.attn_implementation,
                 "threads": max(1, (os.cpu_count() or 1) // max(n_cpu, 1))}
@@ -64,9 +65,11 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
         if on_ray:
             import torch
 
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            n_gpus = torch.cuda.device_count()  # Ray set CUDA_VISIBLE_DEVICES to this task's GPUs
+            device = "+".join(f"cuda:{i}" for i in range(n_gpus)) if n_gpus else "cpu"
         result = run_worker(str(cfg.store), version, units, report, device, cfg.extract, store_dtype(cfg, report),
-                            pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation)
+                            pad_id, progress=progress, attn_implementation=cfg.target.attn_implementation,
+                            store_options=cfg.store_options)
     update_progress_artifact(artifact_id=artifact_id, progress=100.0)
     return result
 

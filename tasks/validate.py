@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -13,6 +12,7 @@ from dataprep.prepare import PrepareResult
 from pipeline.config import RunConfig
 from storage.store import Store
 from target.loader import load_target
+from target.placement import input_device
 from target.probe import ProbeReport
 from target.validate import ValidationReport, raise_if_failed, validate_store
 from tasks.common import artifact_key
@@ -21,19 +21,21 @@ from tasks.common import artifact_key
 @task(name="validate-store", task_run_name="validate {version}", cache_policy=NO_CACHE, retries=0)
 def validate_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str,
                   promote: bool = True) -> ValidationReport:
-    device = report.devices[0].name
+    device = report.replicas[0]  # one GPU, or the GPUs of a split replica
+    store = Store(cfg.store, cfg.store_options)
     model = None
     if cfg.validate_.recompute_samples:
         model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device,
-                            cfg.target.attn_implementation)
-    result = validate_store(str(cfg.store), version, prepared, cfg.validate_, model=model, device=device)
-    out = Path(cfg.store) / version / "validation.json"
-    out.write_text(json.dumps(result.to_dict(), indent=1))
+                            cfg.target.attn_implementation, working_bytes=report.working_gib * 2**30,
+                            max_gpu_memory_gib=cfg.extract.max_gpu_memory_gib)
+    result = validate_store(store, version, prepared, cfg.validate_, model=model,
+                             device=input_device(device))
+    store.loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict(), indent=1).encode())
     create_markdown_artifact(key=artifact_key("validation"), markdown=result.to_markdown(),
                              description=f"validation of {cfg.store}/{version}")
     create_table_artifact(key=artifact_key("validation-checks"), table=result.checks,
                           description="validation checks")
     raise_if_failed(result)
     if promote:  # readers follow CURRENT; it only ever points at a validated version
-        Store(cfg.store).set_current(version)
+        store.set_current(version)
     return result
