@@ -74,11 +74,12 @@ class _Job:
     flex: bool
 
 
-def _build(cfg: TrainConfig, store_root, target_path: str, version, tokenizer_path, dev: torch.device) -> _Job:
+def _build(cfg: TrainConfig, store_root, target_path: str, version, tokenizer_path, dev: torch.device,
+           store_options: dict | None = None) -> _Job:
     from storage.reader import HiddenStateDataset
     from target.modelfiles import read_model_config
 
-    ds = HiddenStateDataset(store_root, version)
+    ds = HiddenStateDataset(store_root, version, store_options)
     if len(ds) == 0:
         raise ConfigError(f"the store {store_root} (version {ds.version}) holds no committed samples to train on")
     if cfg.distill and "last_hidden" not in ds[0]:
@@ -127,14 +128,16 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
 
 
 def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir: str | Path | None = None, *,
-          version: str | None = None, tokenizer_path: str | None = None, progress: Progress | None = None) -> TrainResult:
-    """Train (or resume from the latest checkpoint in output_dir) and export to <output_dir>/export."""
+          version: str | None = None, tokenizer_path: str | None = None, progress: Progress | None = None,
+          store_options: dict | None = None) -> TrainResult:
+    """Train (or resume from the latest checkpoint in output_dir) and export to <output_dir>/export.
+    `store_root`: a local path or s3://bucket/prefix (with its non-secret `store_options`)."""
     if not (output_dir or cfg.output_dir):
         raise ConfigError("train.output_dir is not set and no output_dir was given")
     out = Path(output_dir or cfg.output_dir)
     d = setup(cfg)
     torch.manual_seed(cfg.seed)
-    job = _build(cfg, store_root, target_path, version, tokenizer_path, d.device)
+    job = _build(cfg, store_root, target_path, version, tokenizer_path, d.device, store_options)
     model = job.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             fused=d.device.type == "cuda")
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job = json.loads(Path(args[0]).read_text())
     res = train(TrainConfig.model_validate(job.get("train", {})), job["store"], job["target"], job.get("output_dir"),
-                version=job.get("version"), tokenizer_path=job.get("tokenizer"))
+                version=job.get("version"), tokenizer_path=job.get("tokenizer"), store_options=job.get("store_options"))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(res.output_dir, "result.json").write_text(json.dumps(res.to_dict(), indent=2))
     return 143 if res.interrupted else 0

@@ -43,7 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2, default=str))
-    print(f"\noutputs under {os.path.abspath(cfg.output_dir)}; store: {os.path.abspath(cfg.store)} "
+    store = cfg.store if "://" in cfg.store else os.path.abspath(cfg.store)
+    print(f"\noutputs under {os.path.abspath(cfg.output_dir)}; store: {store} "
           "(read it with storage.reader.HiddenStateDataset, see docs/STORE.md)")
     if "acceptance_length" in summary:
         print(f"drafter: {summary.get('drafter')}; acceptance length {summary['acceptance_length']} tokens per "

@@ -1,4 +1,6 @@
-"""Atomic small-file writes: the commit records and the CURRENT pointer.
+"""Atomic small-file writes on a local filesystem (the commit records and the CURRENT pointer), the
+local store lock, and the crash points of the kill tests. storage/location.py uses these for local stores
+and has the object-storage counterparts.
 
 A record is written to a temp file, fsynced, renamed over the old one and the directory fsynced: a
 reader (or a process restarted after SIGKILL or power loss) sees either the old record or the new one,
@@ -63,15 +65,9 @@ def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | No
     fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path, obj: Any, before_rename: Callable[[], None] | None = None) -> None:
-    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode(), before_rename)
-
-
-def read_json(path: Path, default: Any = None) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return default
+def encode_json(obj: Any) -> bytes:
+    """The bytes of a JSON record (commit.json)."""
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
 def remove_partials(directory: Path) -> int:

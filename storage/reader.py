@@ -29,11 +29,14 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     """Items: {'sample_id', 'input_ids' [T] long, 'loss_mask' [T] bool, 'hidden' [T, K, H],
     and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype."""
 
-    def __init__(self, store_root: str | Path, version: str | None = None):
-        self.store = Store(store_root)
+    def __init__(self, store_root: str | Path, version: str | None = None, store_options: dict | None = None):
+        """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
+        (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain."""
+        self.store = Store(store_root, store_options)
+        self.store.check_readable()
         self.version = version or self.store.current() or (self.store.versions() or [None])[-1]
         if self.version is None:
-            raise FileNotFoundError(f"no store version under {store_root}")
+            raise FileNotFoundError(f"no store version under {self.store.url}")
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
         self.layer_ids: list[int] = self.attrs["layer_ids"]
@@ -57,9 +60,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if self._pid != os.getpid():  # new process (DataLoader worker): drop inherited handles
             self._arrays, self._pid = {}, os.getpid()
         if unit not in self._arrays:
-            import zarr
-
-            g = zarr.open_group(str(self.store.unit_dir(self.version, unit)), mode="r", zarr_format=3)
+            g = self.store.open_unit(self.version, unit)
             self._arrays[unit] = {k: g[k] for k in ("hidden", "last_hidden", "input_ids", "loss_mask") if k in g}
         return self._arrays[unit]
 

@@ -2,13 +2,13 @@
 
 Only the flow's driver (one process, before fan-out) creates versions and plans units; each unit is
 then written by exactly one worker (storage.writer). So no two processes ever write the same zarr.json.
+The store is a local directory or an s3:// prefix; storage/location.py hides the difference.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import time
 from contextlib import contextmanager
@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pipeline.errors import StoreError
-from storage.commit import exclusive_lock, read_json, write_atomic
 from storage.layout import DTYPES, FORMAT_VERSION, chunking, compressors
+from storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
 
@@ -50,55 +50,40 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _zarr():
-    import zarr
-
-    return zarr
-
-
 class Store:
-    """A directory of store versions plus a CURRENT pointer."""
+    """Store versions plus a CURRENT pointer, in a local directory or under an s3:// prefix.
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    `options`: non-secret fsspec/s3fs options of an s3:// store (endpoint_url, ...); credentials come
+    from the standard AWS chain only."""
+
+    def __init__(self, root: str | Path, options: dict[str, Any] | None = None):
+        self.loc: Location = open_location(root, options)
+        self.url = self.loc.url  # path or URL, for messages
 
     # ---- versions -------------------------------------------------------------------------------
     def versions(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v")
-                      and (p / "zarr.json").exists())
+        return [v for v in self.loc.list_dirs() if v.startswith("v") and self.loc.exists(f"{v}/zarr.json")]
 
     def current(self) -> str | None:
-        p = self.root / "CURRENT"
-        return p.read_text().strip() if p.exists() else None
+        data = self.loc.read_bytes("CURRENT")
+        return data.decode().strip() if data is not None else None
 
     def set_current(self, version: str) -> None:
-        assert (self.root / version / "zarr.json").exists(), version
-        write_atomic(self.root / "CURRENT", version.encode())
+        assert self.loc.exists(f"{version}/zarr.json"), version
+        self.loc.write_atomic("CURRENT", version.encode())
 
     def open_version(self, version: str, mode: str = "r"):
-        return _zarr().open_group(str(self.root / version), mode=mode, zarr_format=3)
+        return self.loc.open_group(version, mode)
 
     def attrs(self, version: str) -> dict[str, Any]:
         return dict(self.open_version(version).attrs)
 
+    def check_readable(self) -> None:
+        """Fail fast, naming the fix, when the store cannot be reached (object storage)."""
+        self.loc.check(write=False)
+
     def _writable(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise StoreError(f"store path {self.root} cannot be written ({e.strerror}); choose another "
-                             "store_path or fix its permissions") from e
+        self.loc.check(write=True)
 
     def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool,
                         incremental: bool) -> str:
@@ -120,7 +105,7 @@ class Store:
                 return v
             if not incremental:
                 raise StoreError(
-                    f"store {self.root / v} was made from dataset(s) {attrs['dataset_fingerprints']}, "
+                    f"store {self.loc.url_of(v)} was made from dataset(s) {attrs['dataset_fingerprints']}, "
                     f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
                     "its new rows to this store, or use another store_path")
             target = self._snapshot(v) if v == self.current() else v
@@ -131,15 +116,15 @@ class Store:
             last = self.attrs(versions[-1])
             diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
             shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
-            raise StoreError(f"store {self.root} was made with another model or layer set ({shown}). "
+            raise StoreError(f"store {self.url} was made with another model or layer set ({shown}). "
                              "Refusing to mix them. Set extract.new_version=true to start a new store "
                              "version beside it, or use another store_path")
         name = self._new_version_name()
-        g = _zarr().open_group(str(self.root / name), mode="w-", zarr_format=3)
+        g = self.loc.open_group(name, mode="w-")
         g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION,
                         "created": _now()})
         g.create_group("units")
-        log.info("created store version %s", self.root / name)
+        log.info("created store version %s", self.loc.url_of(name))
         return name
 
     def _new_version_name(self) -> str:
@@ -148,17 +133,17 @@ class Store:
 
     def _snapshot(self, source: str) -> str:
         """A new version holding `source`'s complete units as hard links (no data copied; falls back to a
-        copy across filesystems). Complete units are immutable, so sharing their files is safe."""
+        copy across filesystems; server-side copies on object storage). Complete units are immutable, so
+        sharing their files is safe."""
         name = self._new_version_name()
         src_attrs = self.attrs(source)
-        g = _zarr().open_group(str(self.root / name), mode="w-", zarr_format=3)
+        g = self.loc.open_group(name, mode="w-")
         g.attrs.update({**src_attrs, "created": _now(), "snapshot_of": source})
         g.create_group("units")
         for u in self.units(source):
             if not self.commit_record(source, u).get("complete"):
                 continue
-            src, dst = self.unit_dir(source, u), self.unit_dir(name, u)
-            shutil.copytree(src, dst, copy_function=_link_or_copy)
+            self.loc.copy_tree(self._unit_rel(source, u), self._unit_rel(name, u))
         log.info("snapshot %s -> %s (%d units shared)", source, name, len(self.units(name)))
         return name
 
@@ -167,7 +152,7 @@ class Store:
         current, versions = self.current(), self.versions()
         doomed = [v for v in versions[: max(len(versions) - keep, 0)] if v != current]
         for v in doomed:
-            shutil.rmtree(self.root / v)
+            self.loc.rmtree(v)
             log.info("pruned store version %s", v)
         return doomed
 
@@ -175,24 +160,34 @@ class Store:
     def lock(self) -> Iterator[None]:
         """Exclusive use of this store by one run (plan, extract, validate, promote)."""
         self._writable()
-        with exclusive_lock(self.root / ".lock", f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
-                            lambda holder: StoreError(f"store {self.root} is in use by another run ({holder}); "
-                                                      "wait for it to finish or use another store_path")):
+        with self.loc.lock(".lock", f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
+                           lambda holder: StoreError(f"store {self.url} is in use by another run ({holder}); "
+                                                     "wait for it to finish or use another store_path")):
             yield
 
     # ---- units ----------------------------------------------------------------------------------
-    def unit_dir(self, version: str, unit: str) -> Path:
-        return self.root / version / "units" / unit
+    @staticmethod
+    def _unit_rel(version: str, unit: str) -> str:
+        return f"{version}/units/{unit}"
+
+    def unit_location(self, version: str, unit: str) -> Location:
+        """Where one unit lives (what storage.writer.UnitWriter writes through)."""
+        return self.loc.child(self._unit_rel(version, unit))
+
+    def open_unit(self, version: str, unit: str, mode: str = "r"):
+        """The unit's zarr group (arrays hidden, last_hidden?, input_ids, loss_mask)."""
+        return self.loc.open_group(self._unit_rel(version, unit), mode)
 
     def units(self, version: str) -> list[str]:
-        d = self.root / version / "units"
-        return sorted(p.name for p in d.iterdir() if (p / "zarr.json").exists()) if d.is_dir() else []
+        return [u for u in self.loc.list_dirs(f"{version}/units")
+                if self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json")]
 
     def unit_attrs(self, version: str, unit: str) -> dict[str, Any]:
-        return dict(_zarr().open_group(str(self.unit_dir(version, unit)), mode="r").attrs)
+        return dict(self.open_unit(version, unit).attrs)
 
     def commit_record(self, version: str, unit: str) -> dict[str, Any]:
-        return read_json(self.unit_dir(version, unit) / "commit.json", {"committed_tokens": 0, "complete": False})
+        return self.loc.read_json(f"{self._unit_rel(version, unit)}/commit.json",
+                                  {"committed_tokens": 0, "complete": False})
 
     def plan_units(self, version: str, sample_ids: list[str], lengths: list[int],
                    fetch: Callable[[list[int]], tuple[list, list]], unit_tokens: int, chunk_mib: float,
@@ -210,7 +205,7 @@ class Store:
             ua = self.unit_attrs(version, u)
             if not ua.get("planned"):
                 log.warning("removing half-planned unit %s", u)
-                shutil.rmtree(self.unit_dir(version, u))
+                self.loc.rmtree(self._unit_rel(version, u))
                 continue
             assigned.update(s[0] for s in ua["samples"])
         todo = [i for i, s in enumerate(sample_ids) if s not in assigned]
@@ -237,7 +232,7 @@ class Store:
             new_units.append(UnitInfo(name, len(order), sum(lengths[i] for i in order)))
         pending = [self.unit_info(version, u) for u in self.units(version)
                    if not self.commit_record(version, u).get("complete")]
-        return PlanResult(version, str(self.root / version), new_units, pending, len(self.units(version)),
+        return PlanResult(version, self.loc.url_of(version), new_units, pending, len(self.units(version)),
                           len(todo))
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
@@ -246,13 +241,11 @@ class Store:
 
     def _create_unit(self, version, name, order, sample_ids, lengths, fetch, k, hidden,
                      logical, capture_last, chunk_mib, shard_mib, compression) -> None:
-        zarr = _zarr()
         stored = DTYPES[logical][0]
         n_tokens = sum(lengths[i] for i in order)
-        d = self.unit_dir(version, name)
-        if d.exists():
-            shutil.rmtree(d)
-        g = zarr.open_group(str(d), mode="w", zarr_format=3)
+        rel = self._unit_rel(version, name)
+        self.loc.rmtree(rel)
+        g = self.loc.open_group(rel, mode="w")
         chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
         codecs = compressors(compression, stored.itemsize)
         g.create_array("hidden", shape=(n_tokens, k, hidden), chunks=(chunk, k, hidden),
@@ -276,4 +269,4 @@ class Store:
 
     def delete_version(self, version: str) -> None:
         assert version != self.current(), "refusing to delete the CURRENT version"
-        shutil.rmtree(self.root / version)
+        self.loc.rmtree(version)

@@ -21,13 +21,13 @@ shard several times into fresh memory. For the codec chain storage/layout.py cre
 a whole shard itself, in the byte layout of zarr's sharding codec (chunks compressed by zarr's own Blosc
 codec object, each followed by its CRC32C, then the chunk index and its CRC32C), with the GIL released
 while compressing; zarr reads it back like any shard (the tests check both ways). Any other codec chain
-is written through zarr.
+is written through zarr. Shards and commit records go through the unit's storage.location.Location: a
+local directory (temp file + rename) or object storage (one PUT each).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import sys
 import threading
@@ -39,8 +39,9 @@ from typing import Callable
 import numpy as np
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from storage.commit import crash_point, read_json, remove_partials, write_json_atomic
+from storage.commit import crash_point
 from storage.layout import DTYPES
+from storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,18 @@ class _ShardFile:
 
     `for_array` returns None unless the array has exactly the codec chain storage/layout.py creates:
     sharding (index at the end; index codecs bytes-little + crc32c) over bytes-little, optionally one
-    Blosc codec, then crc32c, shards and chunks spanning every axis but the first, on a local store.
+    Blosc codec, then crc32c, shards and chunks spanning every axis but the first. `loc` is the location
+    the array's group was opened from (its shards are written there).
     """
 
-    def __init__(self, root: Path, meta, shard_rows: int, chunk_rows: int, blosc):
-        self.root, self.meta, self.shard_rows, self.chunk_rows, self.blosc = root, meta, shard_rows, chunk_rows, blosc
+    def __init__(self, loc: Location, path: str, meta, shard_rows: int, chunk_rows: int, blosc):
+        self.loc, self.path, self.meta = loc, path, meta
+        self.shard_rows, self.chunk_rows, self.blosc = shard_rows, chunk_rows, blosc
 
     @classmethod
-    def for_array(cls, arr) -> "_ShardFile | None":
+    def for_array(cls, arr, loc: Location) -> "_ShardFile | None":
         from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
         from zarr.codecs.sharding import ShardingCodecIndexLocation
-        from zarr.storage import LocalStore
 
         meta = arr.metadata
         codecs = getattr(meta, "codecs", ())
@@ -86,9 +88,9 @@ class _ShardFile:
             return None
         shard, chunk = tuple(meta.chunk_grid.chunk_shape), tuple(sh.chunk_shape)
         if (shard[1:] != tuple(arr.shape[1:]) or chunk[1:] != tuple(arr.shape[1:]) or shard[0] % chunk[0]
-                or not isinstance(arr.store, LocalStore) or meta.fill_value != 0):
+                or meta.fill_value != 0):
             return None
-        return cls(Path(str(arr.store.root)) / arr.path, meta, shard[0], chunk[0], blosc)
+        return cls(loc, arr.path, meta, shard[0], chunk[0], blosc)
 
     def write(self, start: int, rows: np.ndarray) -> None:
         """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one."""
@@ -112,13 +114,7 @@ class _ShardFile:
         index_bytes = index.tobytes()
         pieces += [index_bytes, struct.pack("<I", google_crc32c.value(index_bytes))]
         coords = (start // self.shard_rows,) + (0,) * (rows.ndim - 1)
-        path = self.root / self.meta.encode_chunk_key(coords)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-        with open(tmp, "wb") as f:  # temp file + rename, as zarr's LocalStore: a shard is never torn
-            for piece in pieces:
-                f.write(piece)
-        os.replace(tmp, path)
+        self.loc.write_object(f"{self.path}/{self.meta.encode_chunk_key(coords)}", pieces)  # never torn
 
 
 class BufferPool:
@@ -150,25 +146,26 @@ def _copy_rows(dst: np.ndarray, src) -> None:
 
 
 class UnitWriter:
-    def __init__(self, unit_dir: Path, io_retries: int = 5, threads: int = 1, buffers: BufferPool | None = None):
-        import zarr
+    """`unit`: the unit's location (Store.unit_location), or the path of a local unit directory."""
 
-        self.dir = Path(unit_dir)
-        n = remove_partials(self.dir)
+    def __init__(self, unit: Location | str | Path, io_retries: int = 5, threads: int = 1,
+                 buffers: BufferPool | None = None):
+        self.loc = unit if isinstance(unit, Location) else open_location(unit)
+        n = self.loc.remove_partials()
         if n:
-            log.info("removed %d orphan partial files in %s", n, self.dir)
-        g = zarr.open_group(str(self.dir), mode="r+", zarr_format=3)
+            log.info("removed %d orphan partial files in %s", n, self.loc.url)
+        g = self.loc.open_group(mode="r+")
         attrs = dict(g.attrs)
-        assert attrs.get("planned"), f"unit {self.dir} was never fully planned"
+        assert attrs.get("planned"), f"unit {self.loc.url} was never fully planned"
         self.hidden = g["hidden"]
         self.last = g["last_hidden"] if "last_hidden" in g else None
-        self._fast = {"hidden": _ShardFile.for_array(self.hidden),
-                      "last": _ShardFile.for_array(self.last) if self.last is not None else None}
+        self._fast = {"hidden": _ShardFile.for_array(self.hidden, self.loc),
+                      "last": _ShardFile.for_array(self.last, self.loc) if self.last is not None else None}
         self.n_tokens: int = attrs["n_tokens"]
         self.shard_tokens: int = attrs["shard_tokens"]
         self.samples = attrs["samples"]
         self.stored_dtype = DTYPES[attrs["logical_dtype"]][0]
-        rec = read_json(self.dir / "commit.json", {"committed_tokens": 0, "complete": False})
+        rec = self.loc.read_json("commit.json", {"committed_tokens": 0, "complete": False})
         self.committed: int = rec["committed_tokens"]
         self.complete: bool = rec["complete"]
         assert self.committed % self.shard_tokens == 0 or self.committed == self.n_tokens, rec
@@ -280,15 +277,15 @@ class UnitWriter:
                 return  # an earlier shard is still being written; its commit will cover this one
             self.complete = self.committed == self.n_tokens
             committed = self.committed
-            write_json_atomic(self.dir / "commit.json",
-                              {"committed_tokens": committed, "complete": self.complete,
-                               "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed)},
-                              before_rename=lambda: crash_point("during_commit"))
+            self.loc.write_json_atomic("commit.json",
+                                       {"committed_tokens": committed, "complete": self.complete,
+                                        "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed)},
+                                       before_commit=lambda: crash_point("during_commit"))
 
     def finish(self) -> None:
         """Wait for all writes; the unit is then complete. (The last buffer is sized to the unit's
         remaining tokens, so `add` has already submitted it.)"""
-        assert self._next == self.n_tokens, f"unit {self.dir.name}: finish() at token {self._next} of {self.n_tokens}"
+        assert self._next == self.n_tokens, f"unit {self.loc.url}: finish() at token {self._next} of {self.n_tokens}"
         self.close()
         assert self.complete, "all tokens written but commit record not complete"
 

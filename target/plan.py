@@ -50,7 +50,7 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
 
 def plan_extraction(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, tokenizer_fp: str,
                     template_fp: str) -> PlanResult:
-    store = Store(cfg.store)
+    store = Store(cfg.store, cfg.store_options)
     prov = provenance(cfg, report, tokenizer_fp, template_fp)
     version = store.resolve_version(prov, prepared.fingerprint, cfg.extract.new_version, cfg.extract.incremental)
     ds = load_prepared(prepared.path)

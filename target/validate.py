@@ -124,12 +124,11 @@ def _sample_at(samples, token):
     return "?"
 
 
-def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: ValidateConfig,
+def validate_store(store: Store | str, version: str, prepared: PrepareResult, cfg: ValidateConfig,
                    model=None, device: str = "cpu") -> ValidationReport:
-    """Run every check; `model` (the target, loaded by the caller) enables the recompute check."""
-    import zarr
-
-    store = Store(store_root)
+    """Run every check; `model` (the target, loaded by the caller) enables the recompute check.
+    `store`: a Store (local or s3://), or the path of a local one."""
+    store = store if isinstance(store, Store) else Store(store)
     attrs = store.attrs(version)
     logical, k_ids, hidden_size = attrs["logical_dtype"], attrs["layer_ids"], attrs["hidden_size"]
     report = ValidationReport(version=version)
@@ -167,7 +166,7 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
     value_problem = None
     t0 = time.monotonic()
     for ui, u in enumerate(units, start=1):
-        g = zarr.open_group(str(store.unit_dir(version, u)), mode="r", zarr_format=3)
+        g = store.open_unit(version, u)
         ua = dict(g.attrs)
         n_tok = ua["n_tokens"]
         exp = (n_tok, len(k_ids), hidden_size)
@@ -210,15 +209,13 @@ def validate_store(store_root: str, version: str, prepared: PrepareResult, cfg: 
 
 @torch.inference_mode()
 def _recompute(store, version, attrs, where, cfg, model, device, report) -> None:
-    import zarr
-
     logical, k_ids = attrs["logical_dtype"], attrs["layer_ids"]
     tol = TOLERANCE[logical]
     picks = random.Random(cfg.seed).sample(sorted(where), min(cfg.recompute_samples, len(where)))
     worst = None
     for sid in picks:
         u, start, length = where[sid]
-        g = zarr.open_group(str(store.unit_dir(version, u)), mode="r", zarr_format=3)
+        g = store.open_unit(version, u)
         ids = torch.from_numpy(g["input_ids"][start : start + length].astype(np.int64))[None].to(device)
         stored = from_storage(g["hidden"][start : start + length], logical).float()
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)

@@ -53,7 +53,8 @@ def main(spec_path: str) -> int:
             result = run_worker(spec["store_root"], spec["version"], spec["units"],
                                 ProbeReport.from_dict(spec["report"]), spec["device"],
                                 ExtractConfig.model_validate(spec["extract"]), spec["store_dtype"], spec["pad_id"],
-                                progress=progress, attn_implementation=spec.get("attn_implementation"))
+                                progress=progress, attn_implementation=spec.get("attn_implementation"),
+                                store_options=spec.get("store_options"))
         result.device = label
         _send("result", data=result.to_dict())
         return 0

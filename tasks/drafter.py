@@ -58,7 +58,8 @@ def train_task(cfg: RunConfig, version: str | None) -> TrainResult:
             update_progress_artifact(artifact_id=artifact_id, progress=100.0 * step / max(total, 1))
             log.info("train step %d/%d loss %.4f, %.0f tokens/s", step, total, loss, tps)
 
-        result = train(cfg.train, str(cfg.store), target, out, version=version, progress=progress)
+        result = train(cfg.train, cfg.store, target, out, version=version, progress=progress,
+                       store_options=cfg.store_options)
     _publish_training(result)
     return result
 
@@ -66,7 +67,8 @@ def train_task(cfg: RunConfig, version: str | None) -> TrainResult:
 def _torchrun(cfg: RunConfig, version: str | None, target: str, out: Path, gpus: int) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     job = out / "job.json"
-    job.write_text(json.dumps({"train": cfg.train.model_dump(mode="json"), "store": str(cfg.store),
+    job.write_text(json.dumps({"train": cfg.train.model_dump(mode="json"), "store": cfg.store,
+                               "store_options": cfg.store_options,
                                "target": target, "output_dir": str(out), "version": version}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "-m", "drafter.train",
            str(job)]

@@ -54,6 +54,14 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
+def clean_extraction(model_dir, tmp_path_factory):
+    """An uninterrupted extraction of helpers.KILL_OVERRIDES: what every killed-and-resumed run must equal."""
+    from helpers import KILL_OVERRIDES, extract_local
+
+    return extract_local(tmp_path_factory.mktemp("clean"), KILL_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
 def small_store(model_dir, tmp_path_factory):
     """A complete, validated-shape store of 60 samples, layers [1, 3, 7] (GDN, full, full) + last."""
     from helpers import extract_local

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
 from embedded import resolve_model, resolve_source
@@ -45,7 +51,48 @@ def extract_local(out: Path, overrides: dict[str, Any] | None = None) -> Extract
     prepared = prepare(cfg)
     report = probe(cfg.target, cfg.layers, cfg.extract, resolve_model(cfg.target.model_path))
     plan = plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
-    units = Store(cfg.store).units(plan.version)  # all of them: complete ones must be skipped cheaply
-    result = run_worker(str(cfg.store), plan.version, units, report, "cpu",
-                        cfg.extract, store_dtype(cfg, report), tok.pad_token_id)
+    units = Store(cfg.store, cfg.store_options).units(plan.version)  # all: complete ones are skipped cheaply
+    result = run_worker(cfg.store, plan.version, units, report, "cpu", cfg.extract, store_dtype(cfg, report),
+                        tok.pad_token_id, store_options=cfg.store_options)
     return Extracted(cfg, prepared, report, plan, result)
+
+
+# The kill tests' extraction: several units, several 273-token shards each, several batches per shard.
+KILL_OVERRIDES = {"data.max_samples": 40, "layers.preset": "explicit", "layers.ids": [1, 3, 5],
+                  "layers.capture_last": True, "extract.unit_tokens": 1500, "extract.shard_mib": 0.2,
+                  "extract.chunk_mib": 0.05, "extract.token_budget": 300}
+
+
+def run_extract_proc(out: Path, overrides: dict[str, Any], kill_at: str | None = None) -> subprocess.CompletedProcess:
+    """extract_local in a subprocess (tests/extract_proc.py), SIGKILLed at `kill_at` (storage.commit.crash_point)."""
+    env = {**os.environ}
+    if kill_at:
+        env["DFLASH_KILL_AT"] = kill_at
+    return subprocess.run([sys.executable, str(Path(__file__).parent / "extract_proc.py"), str(out),
+                           json.dumps(overrides)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def forward_passes(proc: subprocess.CompletedProcess) -> int:
+    return json.loads(proc.stdout.strip().splitlines()[-1])["forward_passes"]
+
+
+def snapshot(store: Store, version: str) -> dict:
+    """Every unit's arrays (raw stored values), sample table and commit record."""
+    snap = {}
+    for u in store.units(version):
+        g = store.open_unit(version, u)
+        snap[u] = {k: g[k][:] for k in ("hidden", "last_hidden", "input_ids", "loss_mask") if k in g}
+        snap[u]["samples"] = g.attrs["samples"]
+        snap[u]["commit"] = store.commit_record(version, u)
+    return snap
+
+
+def assert_same_store(a: dict, b: dict) -> None:
+    """Two snapshots hold the same units, samples, commit records and bit-identical arrays."""
+    assert a.keys() == b.keys()
+    for u in a:
+        assert a[u]["samples"] == b[u]["samples"] and a[u]["commit"] == b[u]["commit"], u
+        arrays = [k for k in a[u] if k not in ("samples", "commit")]
+        assert arrays == [k for k in b[u] if k not in ("samples", "commit")], u
+        for k in arrays:
+            assert np.array_equal(a[u][k], b[u][k]), (u, k)  # bit-identical (raw stored bytes)

@@ -54,8 +54,6 @@ def test_flow_fails_clearly_on_bad_config(prefect_harness):
 
 
 def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, tmp_path):
-    import zarr
-
     from flows.pipeline import dflash_pipeline
     from pipeline.errors import ValidationFailed
 
@@ -69,7 +67,7 @@ def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, 
     assert store.versions() == ["v0001", "v0002"] and store.current() == "v0001"
     # ... and damaged (all-zero states, what a broken extractor writes) before the validating run.
     new_unit = [u for u in store.units("v0002") if u not in store.units("v0001")][0]
-    g = zarr.open_group(str(store.unit_dir("v0002", new_unit)), mode="r+")
+    g = store.open_unit("v0002", new_unit, mode="r+")
     g["hidden"][:] = 0
     with pytest.raises(ValidationFailed, match="all-zero token row"):
         dflash_pipeline(overrides={**base, "data.max_samples": 14})

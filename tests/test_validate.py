@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zarr
 
 from pipeline.config import ValidateConfig
 from pipeline.errors import ValidationFailed
@@ -32,7 +31,7 @@ def copy(small_store, tmp_path):
 def _unit(store_root: Path, version: str, i: int = 0):
     s = Store(store_root)
     u = s.units(version)[i]
-    return u, zarr.open_group(str(s.unit_dir(version, u)), mode="r+"), s.unit_attrs(version, u)["samples"]
+    return u, s.open_unit(version, u, mode="r+"), s.unit_attrs(version, u)["samples"]
 
 
 def _validate(small_store, root, model=None, n=4):

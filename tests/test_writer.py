@@ -15,9 +15,8 @@ from storage.writer import UnitWriter
 def _unit_copy(small_store, tmp_path, name):
     root = tmp_path / name
     shutil.copytree(small_store.store, root)
-    store, version = Store(root), small_store.plan.version
-    unit = store.units(version)[0]
-    return store.unit_dir(version, unit)
+    version = small_store.plan.version
+    return root / version / "units" / Store(root).units(version)[0]
 
 
 def _empty_unit(small_store, tmp_path, name, compression):

@@ -1,0 +1,463 @@
+"""Where a store lives: a local directory, or a prefix of an S3-compatible bucket (AWS S3, MinIO, Ceph...).
+
+This is the only module that knows the difference. The layout and the commit protocol are the same on
+both; what provides each guarantee differs (docs/STORE.md, "Object storage"):
+
+- a record (commit.json, CURRENT) is replaced atomically: locally temp file + fsync + rename + directory
+  fsync; on object storage one PUT (readers see the old or the new object, never a torn one);
+- a shard is never torn: temp file + rename; one PUT (or one multipart upload, also all or nothing);
+- orphans of a killed writer: `*.partial` temp files, removed; unfinished multipart uploads, aborted;
+- a snapshot shares the complete units: hard links; server-side copies (S3 has no links);
+- one run per store: flock (dies with its process); a lease object created by a conditional PUT
+  (If-None-Match: *), renewed by a heartbeat, taken over only once it has expired.
+
+Credentials come only from the standard AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+AWS_SESSION_TOKEN, AWS_PROFILE with ~/.aws, an instance role); `options` are the non-secret fsspec/s3fs
+options (endpoint_url, client_kwargs, config_kwargs...), the same dict zarr's `storage_options` takes.
+The endpoint can also come from AWS_ENDPOINT_URL (botocore reads it).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from pipeline.errors import StoreError
+from storage import commit
+
+log = logging.getLogger(__name__)
+
+Buffers = Sequence[Any]  # bytes-like pieces written one after the other
+S3_INSTALL_HINT = "pip install 'dflash-pipeline[s3]' (or pip install s3fs)"
+CREDENTIAL_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
+                   "credentials), or AWS_PROFILE with ~/.aws/credentials, or run with an instance role; "
+                   "credentials are never read from the run config")
+
+
+def is_remote(url: str | Path) -> bool:
+    return "://" in str(url) and not str(url).startswith("file://")
+
+
+def open_location(url: str | Path, options: dict[str, Any] | None = None) -> "Location":
+    """`url`: a local path, file:///path, or s3://bucket[/prefix]."""
+    url = str(url)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if not is_remote(url):
+        if options:
+            raise StoreError(f"store_options {sorted(options)} were given for the local store path {url}; they "
+                             "only apply to an s3:// store_path")
+        return LocalLocation(Path(url))
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("s3", "s3a"):
+        raise StoreError(f"store path {url}: only local paths and s3:// URLs (AWS S3, MinIO and other "
+                         f"S3-compatible object storage) are supported, not {scheme}://")
+    return S3Location(url, dict(options or {}))
+
+
+class Location(ABC):
+    """A directory-like root. `rel` arguments are '/'-separated paths below it ('' = the root itself)."""
+
+    url: str
+
+    @abstractmethod
+    def child(self, rel: str) -> "Location": ...
+
+    @abstractmethod
+    def url_of(self, rel: str = "") -> str: ...
+
+    @abstractmethod
+    def read_bytes(self, rel: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+
+    @abstractmethod
+    def write_atomic(self, rel: str, data: bytes, before_commit: Callable[[], None] | None = None) -> None:
+        """Replace a small record durably and atomically: readers see the old or the new one, never a torn
+        one. `before_commit` runs when the new record is ready but not yet visible (fault injection)."""
+
+    @abstractmethod
+    def write_object(self, rel: str, pieces: Buffers) -> None:
+        """Write a whole file (a shard) from `pieces`: it appears complete or not at all."""
+
+    @abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abstractmethod
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Names of the sub-directories (common prefixes) of `rel`, sorted; [] if it does not exist."""
+
+    @abstractmethod
+    def rmtree(self, rel: str) -> None:
+        """Delete `rel` and everything below it (nothing if it does not exist)."""
+
+    @abstractmethod
+    def copy_tree(self, src: str, dst: str) -> None:
+        """Make `dst` a copy of `src` (an immutable tree) as cheaply as the storage allows."""
+
+    @abstractmethod
+    def zarr_store(self, rel: str = "", read_only: bool = False):
+        """A zarr Store rooted at `rel`."""
+
+    @abstractmethod
+    def remove_partials(self, rel: str = "") -> int:
+        """Remove what a killed writer left half-written below `rel`; returns how many."""
+
+    @abstractmethod
+    def lock(self, rel: str, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+        """Context manager: exclusive use by one process. Raises `busy(recorded_holder)` if taken."""
+
+    @abstractmethod
+    def check(self, write: bool) -> None:
+        """Raise StoreError, quickly and with the fix, if the location cannot be read (or written)."""
+
+    # ---- shared on top of the primitives ----------------------------------------------------------
+    def open_group(self, rel: str = "", mode: str = "r"):
+        import zarr
+
+        return zarr.open_group(store=self.zarr_store(rel, read_only=mode == "r"), mode=mode, zarr_format=3)
+
+    def read_json(self, rel: str, default: Any = None) -> Any:
+        data = self.read_bytes(rel)
+        return default if data is None else json.loads(data)
+
+    def write_json_atomic(self, rel: str, obj: Any, before_commit: Callable[[], None] | None = None) -> None:
+        self.write_atomic(rel, commit.encode_json(obj), before_commit)
+
+
+# ---- local directory ------------------------------------------------------------------------------
+
+class LocalLocation(Location):
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def _p(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def child(self, rel: str) -> "LocalLocation":
+        return LocalLocation(self._p(rel))
+
+    def url_of(self, rel: str = "") -> str:
+        return str(self._p(rel))
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return self._p(rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, rel: str, data: bytes, before_commit: Callable[[], None] | None = None) -> None:
+        commit.write_atomic(self._p(rel), data, before_commit)
+
+    def write_object(self, rel: str, pieces: Buffers) -> None:
+        path = self._p(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        with open(tmp, "wb") as f:  # temp file + rename, as zarr's LocalStore: a shard is never torn
+            for piece in pieces:
+                f.write(piece)
+        os.replace(tmp, path)
+
+    def exists(self, rel: str) -> bool:
+        return self._p(rel).exists()
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        d = self._p(rel)
+        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+    def rmtree(self, rel: str) -> None:
+        if self._p(rel).exists():
+            shutil.rmtree(self._p(rel))
+
+    def copy_tree(self, src: str, dst: str) -> None:
+        # Hard links: no data copied (falls back to a copy across filesystems).
+        shutil.copytree(self._p(src), self._p(dst), copy_function=_link_or_copy)
+
+    def zarr_store(self, rel: str = "", read_only: bool = False):
+        from zarr.storage import LocalStore
+
+        return LocalStore(self._p(rel), read_only=read_only)
+
+    def remove_partials(self, rel: str = "") -> int:
+        return commit.remove_partials(self._p(rel))
+
+    @contextmanager
+    def lock(self, rel: str, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+        self._p(rel).parent.mkdir(parents=True, exist_ok=True)
+        with commit.exclusive_lock(self._p(rel), holder, busy):
+            yield
+
+    def check(self, write: bool) -> None:
+        if not write:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(f"store path {self.root} cannot be written ({e.strerror}); choose another "
+                             "store_path or fix its permissions") from e
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+# ---- S3-compatible object storage -----------------------------------------------------------------
+
+LEASE_S = 60.0  # a store lease not renewed for this long is taken over (its holder died)
+_PROBE_CONFIG = {"connect_timeout": 3, "read_timeout": 10, "retries": {"max_attempts": 1}}
+
+
+class _S3Conn:
+    """The s3fs filesystems of one store, created lazily and per process (safe across fork/spawn):
+    a synchronous one for our own operations and an asynchronous one for zarr's FsspecStore. Listings
+    are never cached: other processes write the same store."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.options = options
+        self._fs: dict[tuple[int, bool], Any] = {}
+
+    def __getstate__(self) -> dict:
+        return {"options": self.options, "_fs": {}}
+
+    def _make(self, asynchronous: bool, **extra):
+        try:
+            import s3fs
+        except ImportError:
+            raise StoreError(f"an s3:// store needs s3fs: {S3_INSTALL_HINT}") from None
+        return s3fs.S3FileSystem(**{"use_listings_cache": False, **self.options, **extra}, asynchronous=asynchronous)
+
+    def fs(self, asynchronous: bool = False):
+        key = (os.getpid(), asynchronous)
+        if key not in self._fs:
+            self._fs[key] = self._make(asynchronous)
+        return self._fs[key]
+
+    def probe_fs(self):
+        """A client that fails within seconds (one attempt, short timeouts), for the early checks."""
+        config = {**self.options.get("config_kwargs", {}), **_PROBE_CONFIG}
+        fs = self._make(False, skip_instance_cache=True, config_kwargs=config)
+        fs.retries = 1
+        return fs
+
+    def endpoint(self) -> str:
+        o = self.options
+        return (o.get("endpoint_url") or o.get("client_kwargs", {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                or "the default AWS S3 endpoint")
+
+
+class S3Location(Location):
+    def __init__(self, url: str, options: dict[str, Any], conn: _S3Conn | None = None):
+        rest = url.split("://", 1)[1].strip("/")
+        if not rest or rest.startswith("/"):
+            raise StoreError(f"store path {url!r} names no bucket: use s3://<bucket>/<prefix>")
+        self.path = rest  # "bucket/prefix"
+        self.bucket = rest.split("/", 1)[0]
+        self.url = f"s3://{rest}"
+        self.conn = conn or _S3Conn(options)
+
+    @property
+    def fs(self):
+        return self.conn.fs()
+
+    def _p(self, rel: str) -> str:
+        return f"{self.path}/{rel.strip('/')}" if rel else self.path
+
+    def _prefix(self, rel: str = "") -> str:
+        """The key prefix of everything below `rel` (without the bucket, with a trailing '/')."""
+        key = self._p(rel).partition("/")[2]
+        return key + "/" if key else ""
+
+    def child(self, rel: str) -> "S3Location":
+        return S3Location(f"s3://{self._p(rel)}", self.conn.options, self.conn)
+
+    def url_of(self, rel: str = "") -> str:
+        return f"s3://{self._p(rel)}"
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._p(rel))
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, rel: str, data: bytes, before_commit: Callable[[], None] | None = None) -> None:
+        if before_commit:
+            before_commit()
+        self._put(rel, data)  # S3 makes a PUT atomic and, once it returns, durable
+
+    def write_object(self, rel: str, pieces: Buffers) -> None:
+        self._put(rel, b"".join(pieces))  # one PUT (a multipart upload beyond 100 MB: also all or nothing)
+
+    def _put(self, rel: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._p(rel), data)
+        except OSError:
+            raise
+        except Exception as e:  # connection errors (botocore's own types): transient, let the caller retry
+            raise OSError(f"writing {self.url_of(rel)} failed: {type(e).__name__}: {e}") from e
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self._p(rel))
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        try:
+            entries = self.fs.ls(self._p(rel), detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+
+    def _files(self, rel: str) -> list[str]:
+        top = self._p(rel)
+        try:
+            return [f for f in self.fs.find(top) if f.startswith(top + "/")]
+        except FileNotFoundError:
+            return []
+
+    def rmtree(self, rel: str) -> None:
+        assert rel, "refusing to delete the store's root"
+        files = self._files(rel)
+        if files:
+            self.fs.rm(files)
+
+    def copy_tree(self, src: str, dst: str) -> None:
+        # Server-side copies (CopyObject): no data passes through this host, but S3 has no hard links, so
+        # the copy takes storage of its own.
+        files = self._files(src)
+        if files:
+            top, to = self._p(src), self._p(dst)
+            self.fs.copy(files, [to + f[len(top):] for f in files])
+
+    def zarr_store(self, rel: str = "", read_only: bool = False):
+        from zarr.storage import FsspecStore
+
+        return FsspecStore(self.conn.fs(asynchronous=True), path=self._p(rel), read_only=read_only)
+
+    def remove_partials(self, rel: str = "") -> int:
+        """Abort the unfinished multipart uploads below `rel` (a writer killed while uploading a large shard):
+        invisible to readers, but billed until aborted. Each unit has one writer, so none is live."""
+        out = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self._prefix(rel))
+        uploads = out.get("Uploads", [])
+        for u in uploads:
+            self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+        return len(uploads)
+
+    @contextmanager
+    def lock(self, rel: str, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+        lease = _Lease(self.fs, self._p(rel), holder, busy, LEASE_S)
+        lease.acquire()
+        try:
+            yield
+        finally:
+            lease.release()
+
+    def check(self, write: bool) -> None:
+        fs = self.conn.probe_fs()
+        try:
+            if write:
+                probe = self._p(".write-test")
+                fs.pipe_file(probe, b"")
+                fs.rm_file(probe)
+            else:
+                fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=self._prefix(), MaxKeys=1)
+        except Exception as e:  # noqa: BLE001 - every failure becomes one actionable message
+            raise self._explain(e, write) from e
+
+    def _explain(self, e: Exception, write: bool) -> StoreError:
+        where = f"store {self.url} (endpoint {self.conn.endpoint()})"
+        name = type(e).__name__
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return StoreError(f"no AWS credentials found for {where}: {CREDENTIAL_HINT}")
+        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
+                    "ProxyConnectionError", "SSLError") or isinstance(e, (ConnectionError, TimeoutError)):
+            return StoreError(f"object storage unreachable for {where}: {e}. Check that the server runs and that "
+                              "store_options.endpoint_url (or AWS_ENDPOINT_URL) names it")
+        if isinstance(e, FileNotFoundError) or code == "NoSuchBucket":
+            return StoreError(f"bucket {self.bucket!r} does not exist for {where}: create it (e.g. `aws s3 mb "
+                              f"s3://{self.bucket}`) or fix store_path")
+        if isinstance(e, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return StoreError(f"access denied to {where} ({e}): check the credentials ({CREDENTIAL_HINT}) and that "
+                              f"they may {'write' if write else 'read'} this bucket")
+        return StoreError(f"{where} cannot be {'written' if write else 'read'}: {name}: {e}")
+
+
+class _Lease:
+    """An exclusive lease on a store held as one object: {"holder", "expires"}.
+
+    Taken with a conditional PUT (If-None-Match: *), so of two runs starting together exactly one gets it;
+    renewed every ttl/4 by a heartbeat thread with If-Match on the lease's ETag; taken over (again with
+    If-Match, so by one run only) once its expiry has passed, i.e. when its holder died ttl seconds ago.
+    Expiry compares the hosts' clocks: keep them synchronised (NTP)."""
+
+    def __init__(self, fs, path: str, holder: str, busy: Callable[[str], Exception], ttl: float):
+        self.fs, self.path, self.holder, self.busy, self.ttl = fs, path, holder, busy, ttl
+        self.etag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl}).encode()
+
+    def acquire(self) -> None:
+        try:
+            out = self.fs.pipe_file(self.path, self._body(), mode="create")
+        except FileExistsError:
+            out = self._take_over()
+        self.etag = out["ETag"]
+        self._thread = threading.Thread(target=self._heartbeat, name="store-lease", daemon=True)
+        self._thread.start()
+
+    def _take_over(self) -> dict:
+        etag = self.fs.info(self.path)["ETag"]  # first the ETag, then the body: never a newer body's ETag
+        current = json.loads(self.fs.cat_file(self.path))
+        expires = current.get("expires", 0)
+        if expires > time.time():
+            raise self.busy(f"{current.get('holder', 'unknown')}; its lease is renewed while it runs and "
+                            f"expires at {_utc(expires)} if it died")
+        try:
+            out = self.fs.pipe_file(self.path, self._body(), IfMatch=etag)
+        except OSError:  # another run took it over first
+            raise self.busy(f"{current.get('holder', 'unknown')} (just taken over by another run)") from None
+        log.warning("took over the store lease of %s (expired at %s)", current.get("holder"), _utc(expires))
+        return out
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            try:
+                self.etag = self.fs.pipe_file(self.path, self._body(), IfMatch=self.etag)["ETag"]
+            except OSError as e:
+                if e.errno == errno.EINVAL:  # 412: the ETag changed, another run took the lease over
+                    log.error("lost the store lease %s to another run (not renewed for %.0f s)", self.path, self.ttl)
+                    return
+                log.warning("could not renew the store lease %s: %s", self.path, e)
+            except Exception as e:  # noqa: BLE001 - network trouble: keep trying; the lease lasts ttl
+                log.warning("could not renew the store lease %s: %s", self.path, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            if self.fs.info(self.path)["ETag"] == self.etag:  # still ours
+                self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
