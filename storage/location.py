@@ -19,6 +19,7 @@ The endpoint can also come from AWS_ENDPOINT_URL (botocore reads it).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -244,21 +245,38 @@ class _S3Conn:
     def fs(self, asynchronous: bool = False):
         key = (os.getpid(), asynchronous)
         if key not in self._fs:
-            self._fs[key] = self._make(asynchronous)
+            self._fs[key] = fs = self._make(asynchronous)
+            if asynchronous:  # s3fs closes only its synchronous clients itself
+                atexit.register(_close_async_fs, fs, os.getpid())
         return self._fs[key]
 
     def probe_fs(self):
         """A client that fails within seconds (one attempt, short timeouts), for the early checks."""
-        config = {**self.options.get("config_kwargs", {}), **_PROBE_CONFIG}
-        fs = self._make(False, skip_instance_cache=True, config_kwargs=config)
-        fs.retries = 1
-        return fs
+        key = (os.getpid(), "probe")
+        if key not in self._fs:
+            config = {**self.options.get("config_kwargs", {}), **_PROBE_CONFIG}
+            self._fs[key] = self._make(False, skip_instance_cache=True, config_kwargs=config)
+            self._fs[key].retries = 1
+        return self._fs[key]
 
     def endpoint(self) -> str:
         o = self.options
         return (o.get("endpoint_url") or o.get("client_kwargs", {}).get("endpoint_url")
                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                 or "the default AWS S3 endpoint")
+
+
+def _close_async_fs(fs, pid: int) -> None:
+    """At exit, close the HTTP session of zarr's s3fs client on zarr's event loop (still running: atexit
+    handlers run last-registered first, and zarr registered its loop's cleanup at import, before this)."""
+    if os.getpid() != pid or getattr(fs, "_s3creator", None) is None:
+        return
+    try:
+        from zarr.core.sync import sync
+
+        sync(fs._s3creator.__aexit__(None, None, None))
+    except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
+        pass
 
 
 class S3Location(Location):
