@@ -47,6 +47,8 @@ def dflash_pipeline(config_path: str | None = None, overrides: dict[str, Any] | 
 
 def run_stages(cfg: RunConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"output_dir": cfg.output_dir, "store": str(cfg.store)}
+    if "extract" in cfg.stages:  # an unwritable or unreachable store fails now, not after the first stages
+        Store(cfg.store, cfg.store_options).check_writable()
     if "regenerate" in cfg.stages or cfg.regenerate.enabled:
         regenerated = regenerate_task(cfg)  # the target's own answers replace the dataset's
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": regenerated.path,

@@ -230,7 +230,7 @@ class _S3Conn:
 
     def __init__(self, options: dict[str, Any]):
         self.options = options
-        self._fs: dict[tuple[int, bool], Any] = {}
+        self._fs: dict[tuple[int, Any], Any] = {}  # (pid, asynchronous or "probe") -> S3FileSystem
 
     def __getstate__(self) -> dict:
         return {"options": self.options, "_fs": {}}
@@ -282,7 +282,7 @@ def _close_async_fs(fs, pid: int) -> None:
 class S3Location(Location):
     def __init__(self, url: str, options: dict[str, Any], conn: _S3Conn | None = None):
         rest = url.split("://", 1)[1].strip("/")
-        if not rest or rest.startswith("/"):
+        if not rest:
             raise StoreError(f"store path {url!r} names no bucket: use s3://<bucket>/<prefix>")
         self.path = rest  # "bucket/prefix"
         self.bucket = rest.split("/", 1)[0]
@@ -432,10 +432,18 @@ class _Lease:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl}).encode()
 
     def acquire(self) -> None:
-        try:
-            out = self.fs.pipe_file(self.path, self._body(), mode="create")
-        except FileExistsError:
-            out = self._take_over()
+        for _ in range(3):  # a lease released between our attempt and our look at it: try again
+            try:
+                out = self.fs.pipe_file(self.path, self._body(), mode="create")
+                break
+            except FileExistsError:
+                try:
+                    out = self._take_over()
+                    break
+                except FileNotFoundError:
+                    continue
+        else:
+            raise self.busy("another run that keeps taking and releasing it")
         self.etag = out["ETag"]
         self._thread = threading.Thread(target=self._heartbeat, name="store-lease", daemon=True)
         self._thread.start()

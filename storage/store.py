@@ -82,7 +82,9 @@ class Store:
         """Fail fast, naming the fix, when the store cannot be reached (object storage)."""
         self.loc.check(write=False)
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Fail fast, naming the fix, when the store cannot be written (permissions, unreachable endpoint,
+        missing credentials or bucket)."""
         self.loc.check(write=True)
 
     def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool,
@@ -95,7 +97,7 @@ class Store:
           published version never changes under its readers;
         - a new version if no version has this identity (only with `new_version`, or for an empty store).
         """
-        self._writable()
+        self.check_writable()
         versions = self.versions()
         for v in reversed(versions):
             attrs = self.attrs(v)
@@ -159,7 +161,7 @@ class Store:
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Exclusive use of this store by one run (plan, extract, validate, promote)."""
-        self._writable()
+        self.check_writable()
         with self.loc.lock(".lock", f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
                            lambda holder: StoreError(f"store {self.url} is in use by another run ({holder}); "
                                                      "wait for it to finish or use another store_path")):

@@ -183,9 +183,15 @@ def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkey
     assert not fs.exists(f"{BUCKET}/lease/store/.lock")
 
 
-def test_unreachable_endpoint_fails_fast_and_says_so(s3):
+def test_unreachable_endpoint_fails_fast_and_says_so(s3, tmp_path):
+    from flows.pipeline import run_stages
+
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     t0 = time.monotonic()
+    with pytest.raises(StoreError, match="unreachable"):  # before the first stage
+        run_stages(load_config(None, {"output_dir": str(tmp_path), "store_path": f"s3://{BUCKET}/x/store",
+                                      "store_options": {"endpoint_url": endpoint}}))
+    assert not list(tmp_path.iterdir())
     with pytest.raises(StoreError, match=f"object storage unreachable for store s3://{BUCKET}/x/store "
                                          rf"\(endpoint {endpoint}\).*endpoint_url"):
         with Store(f"s3://{BUCKET}/x/store", {"endpoint_url": endpoint}).lock():
