@@ -102,7 +102,9 @@ class Location(ABC):
 
     @abstractmethod
     def copy_tree(self, src: str, dst: str) -> None:
-        """Make `dst` a copy of `src` (an immutable tree) as cheaply as the storage allows."""
+        """Make `dst` a copy of `src` (an immutable zarr group) as cheaply as the storage allows. The group's
+        own zarr.json comes last: a copy cut short by a crash is not a group (Store.units skips it, so its
+        samples are planned again)."""
 
     @abstractmethod
     def zarr_store(self, rel: str = "", read_only: bool = False):
@@ -181,7 +183,11 @@ class LocalLocation(Location):
 
     def copy_tree(self, src: str, dst: str) -> None:
         # Hard links: no data copied (falls back to a copy across filesystems).
-        shutil.copytree(self._p(src), self._p(dst), copy_function=_link_or_copy)
+        top = self._p(src)
+        shutil.copytree(top, self._p(dst), copy_function=_link_or_copy,
+                        ignore=lambda d, names: ["zarr.json"] if Path(d) == top else [])
+        if (top / "zarr.json").exists():
+            _link_or_copy(str(top / "zarr.json"), str(self._p(dst) / "zarr.json"))
 
     def zarr_store(self, rel: str = "", read_only: bool = False):
         from zarr.storage import LocalStore
@@ -355,10 +361,11 @@ class S3Location(Location):
     def copy_tree(self, src: str, dst: str) -> None:
         # Server-side copies (CopyObject): no data passes through this host, but S3 has no hard links, so
         # the copy takes storage of its own.
+        top, to = self._p(src), self._p(dst)
         files = self._files(src)
-        if files:
-            top, to = self._p(src), self._p(dst)
-            self.fs.copy(files, [to + f[len(top):] for f in files])
+        for batch in ([f for f in files if f != f"{top}/zarr.json"], [f for f in files if f == f"{top}/zarr.json"]):
+            if batch:
+                self.fs.copy(batch, [to + f[len(top):] for f in batch])
 
     def zarr_store(self, rel: str = "", read_only: bool = False):
         from zarr.storage import FsspecStore
