@@ -57,14 +57,13 @@ def small_scale(shape: str) -> bool:
 
 def unit_batches(store, version, units, budget):
     """(unit, [lengths of each batch's samples], token arrays) exactly as run_worker batches them."""
-    import zarr
 
     from target.batching import plan_batches
 
     out = []
     for u in units:
         samples = store.unit_attrs(version, u)["samples"]
-        ids = zarr.open_array(str(store.unit_dir(version, u) / "input_ids"), mode="r")[:]
+        ids = store.open_unit(version, u)["input_ids"][:]
         lengths = [s[2] for s in samples]
         for a, b in plan_batches(lengths, budget):
             out.append([ids[samples[i][1]: samples[i][1] + samples[i][2]] for i in range(a, b)])
@@ -132,12 +131,12 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
 
     rss0 = rss_bytes()
     t_call = time.monotonic()
-    r = run_worker(str(store.root), version, units, report, device, cfg.extract, dtype_name, 0,
+    r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0,
                    writer_threads=threads)
     t_end = time.monotonic()
     loop_wall = r.tokens / r.tokens_per_s
     rss_peak, util = sampler.window(t_end - loop_wall, t_end)
-    vdir = store.root / version / "units"
+    vdir = Path(store.url) / version / "units"
     stored = sum(dir_bytes(p) for p in vdir.rglob("hidden")) + sum(dir_bytes(p) for p in vdir.rglob("last_hidden"))
     return {"tokens": r.tokens, "seconds": loop_wall, "tokens_per_s": r.tokens_per_s, "load_s": r.seconds - loop_wall,
             "call_s": t_end - t_call, "gpu_busy": r.gpu_busy_fraction or None, "nvml_util": util,
@@ -150,11 +149,9 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
 
 def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
     """The first batch of (b), read back from the store, against (a)'s: same batch, same kernels."""
-    import zarr
-
     from storage.layout import from_storage
 
-    g = zarr.open_group(str(store.unit_dir(version, unit)), mode="r")
+    g = store.open_unit(version, unit)
     got = from_storage(g["hidden"][: first.shape[0]], dtype_name)
     ref = first.to(got.dtype)
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -184,7 +181,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
         ids = [np.zeros(n_tokens, np.int32)]
         plan = store.plan_units(v, ["x"], [n_tokens], lambda rows: (ids, [np.ones(n_tokens, np.uint8)]),
                                 n_tokens, x.chunk_mib, x.shard_mib, codec)
-        w = UnitWriter(store.unit_dir(v, plan.new_units[0].name), threads=threads)
+        w = UnitWriter(store.unit_location(v, plan.new_units[0].name), threads=threads)
         t0 = time.monotonic()
         for s in range(0, n_tokens, batch):
             w.add(s, src)
@@ -192,7 +189,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
         w.close()
         dt = time.monotonic() - t0
         raw = n_tokens * k * h * 2
-        disk = dir_bytes(store.unit_dir(v, plan.new_units[0].name) / "hidden")
+        disk = dir_bytes(Path(store.url) / v / "units" / plan.new_units[0].name / "hidden")
         row = {"codec": codec, "threads": threads, "raw_GB_per_s": raw / dt / 1e9, "ratio": raw / disk,
                "tokens_per_s_8b_rows": n_tokens / dt, "producer_blocked_s": w.blocked_s, "seconds": dt}
         log("writer", row)

@@ -71,7 +71,7 @@ def split_replica(args, work: Path, report, dtype_name: str, vocab: int, one, on
     equal, compared = True, 0
     for u in units:
         a = zarr.open_array(str(one_store / "units" / u / "hidden"), mode="r")[:]
-        b = zarr.open_array(str(store.unit_dir(v, u) / "hidden"), mode="r")[:]
+        b = zarr.open_array(str(work / "store_split" / v / "units" / u / "hidden"), mode="r")[:]
         equal &= a.shape == b.shape and bool(np.array_equal(a, b))
         compared += a.shape[0]
     log(f"stored states of the split replica bit-equal to one GPU's: {equal} ({compared} tokens)")

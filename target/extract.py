@@ -73,11 +73,12 @@ def _is_oom(e: BaseException) -> bool:
 def default_writer_threads(device: str) -> int:
     """Store-writer threads per worker. A CPU worker produces a few MB/s: one thread keeps commits strictly
     in order, as the kill tests expect. A GPU worker produces up to ~1.4 GB/s of bf16, and zstd compresses
-    ~0.4 GB/s per core: half the host's cores per GPU, at most 8."""
+    ~0.2-0.4 GB/s per core next to the GPU feeder: 3/4 of the host's cores per GPU, at most 12 (on a 16-core
+    H200 host 12 threads took the 8B shape from 26.7k to 29.0k tokens/s over 8: bench/RESULTS.md run 5)."""
     if not device.startswith("cuda"):
         return 1
     per_gpu = (os.cpu_count() or 4) // max(1, torch.cuda.device_count())
-    return max(2, min(8, per_gpu // 2))
+    return max(2, min(12, per_gpu * 3 // 4))
 
 
 class _Runner:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import AUTO_TOKEN_BUDGET_MAX, CPU_TOKEN_BUDGET, ExtractConfig, LayersConfig, TargetConfig
+from pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from pipeline.errors import CompatError, ConfigError
 from target.layers import select_layer_ids
 from target.modelfiles import read_model_config, weights_bytes
@@ -60,7 +60,7 @@ class ProbeReport:
     warnings: list[str] = field(default_factory=list)
     # One entry per worker: a device, or GPUs joined by '+' that share one split replica (target/placement.py).
     replicas: list[str] = field(default_factory=list)
-    token_budget: int = CPU_TOKEN_BUDGET  # padded tokens per forward batch (extract.token_budget, resolved)
+    token_budget: int = AUTO_TOKEN_BUDGET_MAX  # padded tokens per forward batch (extract.token_budget, resolved)
 
     @property
     def hybrid(self) -> bool:
@@ -205,11 +205,11 @@ def _device_info(name: str) -> DeviceInfo:
 def auto_token_budget(usable: dict[str, float], weights: float, per_token: float) -> int:
     """extract.token_budget='auto': the batch whose working set takes at most 80% of the memory the
     smallest GPU has left after a whole replica's weights, in steps of 1024, between 2048 and
-    AUTO_TOKEN_BUDGET_MAX (past which batches gain nothing: bench/RESULTS.md). CPU: CPU_TOKEN_BUDGET.
+    AUTO_TOKEN_BUDGET_MAX (larger batches were slower: bench/RESULTS.md). CPU: AUTO_TOKEN_BUDGET_MAX.
     A target too large for one GPU gets 8192 (its split replicas keep that much working memory per GPU)."""
     gpus = [v for d, v in usable.items() if d.startswith("cuda")]
     if not gpus:
-        return CPU_TOKEN_BUDGET
+        return AUTO_TOKEN_BUDGET_MAX
     spare = min(gpus) - weights
     if spare < 2048 * per_token:
         return 8192
