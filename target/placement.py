@@ -99,15 +99,15 @@ def split_device_map(model_path: str, devices: list[str], room: list[float]) -> 
     names = {id(m): n for n, m in model.named_modules()}
     base_name, layers_name = names[id(base)], names[id(layers)]
 
-    def nbytes(m) -> int:
+    def params(m) -> int:  # proportional to bytes: one dtype throughout
         return sum(p.numel() for p in m.parameters())
 
-    sizes = [nbytes(layer) for layer in layers]
+    sizes = [params(layer) for layer in layers]
     others = [(n, m) for n, m in base.named_children() if m is not layers]
     tied = bool(getattr(config, "tie_word_embeddings", False))
     heads = [(n, m) for n, m in model.named_children() if n != base_name.split(".")[0]]  # lm_head
-    front = sum(nbytes(m) for n, m in others if n in ("embed_tokens", "rotary_emb"))
-    back = 0 if tied else sum(nbytes(m) for _, m in heads)  # loaded though never run
+    front = sum(params(m) for n, m in others if n in ("embed_tokens", "rotary_emb"))
+    back = 0 if tied else sum(params(m) for _, m in heads)  # loaded though never run
     total, share = front + sum(sizes) + back, [r / sum(room) for r in room]
     out: dict[str, str] = {}
     d, used = 0, front
