@@ -168,7 +168,10 @@ class LocalLocation(Location):
         with open(tmp, "wb") as f:  # temp file + rename, as zarr's LocalStore: a shard is never torn
             for piece in pieces:
                 f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before any commit record that counts it (power loss, not just a kill)
         os.replace(tmp, path)
+        commit.fsync_dir(path.parent)
 
     def exists(self, rel: str) -> bool:
         return self._p(rel).exists()
