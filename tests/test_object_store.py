@@ -156,7 +156,7 @@ def test_versions_snapshot_current_and_prune_on_s3(s3, tmp_path, model_dir):
 
 
 def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkeypatch, caplog):
-    import storage.location as location
+    import storage.s3 as s3_module
 
     url = s3.url("lease")
     with Store(url, s3.options).lock():
@@ -166,7 +166,7 @@ def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkey
     with Store(url, s3.options).lock():  # released
         pass
 
-    monkeypatch.setattr(location, "LEASE_S", 0.5)
+    monkeypatch.setattr(s3_module, "LEASE_S", 0.5)
     with Store(url, s3.options).lock():
         time.sleep(1.2)  # > the lease: only the heartbeat keeps it
         with pytest.raises(StoreError, match="in use by another run"):
@@ -176,7 +176,7 @@ def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkey
     # A holder that died: its lease is taken over once expired.
     fs = Store(url, s3.options).loc.fs
     fs.pipe_file(f"{BUCKET}/lease/store/.lock", json.dumps({"holder": "pid 1 on gone", "expires": time.time() - 1}).encode())
-    with caplog.at_level(logging.WARNING, logger="storage.location"):
+    with caplog.at_level(logging.WARNING, logger="storage.s3"):
         with Store(url, s3.options).lock():
             pass
     assert "took over the store lease of pid 1 on gone" in caplog.text
