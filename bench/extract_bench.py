@@ -79,11 +79,11 @@ def measure_forward(model, report, batches, device, dtype, warm: bool = True) ->
 
     capture = LayerCapture(model, report.layer_ids, report.capture_last)
     if warm:
-        # Hybrid: one untimed pass over the same batches. Triton (flash-linear-attention) autotunes and
-        # compiles per batch size and per sequence-length specialisation on first use, which took (a) from
-        # ~9k to 4k tokens/s when only a few short batches warmed it up. Dense: two batches (cuBLAS, SDPA).
+        # One untimed pass over the same batches. Triton (flash-linear-attention, torch.compile) autotunes
+        # and compiles per batch size and per sequence-length specialisation on first use, which took the
+        # hybrid's (a) from ~9k to 4k tokens/s when only a few short batches warmed it up.
         warm_runner = _Runner(capture, device, 0, dtype)
-        for b in batches if report.hybrid else batches[:2]:
+        for b in batches:
             warm_runner.run(b)
         sync(device)
     runner = _Runner(capture, device, 0, dtype)
@@ -232,6 +232,12 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             torch.cuda.empty_cache()
     else:
         write_manifest_checkpoint(model, ckpt)
+        if args.compile_norms:  # how much of the gap to the GEMM peak is unfused elementwise work
+            norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+            for m in norms:
+                m.forward = torch.compile(m.forward, dynamic=True)
+            res["compiled_norms"] = len(norms)
+            log(f"{shape}: torch.compile on {len(norms)} RMSNorm modules")
     cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
                              "extract.devices": device})
     report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
@@ -307,16 +313,23 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         opts = dict(kv.split("=") for kv in spec.split(","))
         vcfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt),
                                   "target.dtype": dtype_name, "extract.devices": device,
-                                  **{f"extract.{k}": v for k, v in opts.items() if k != "threads"}})
+                                  **{f"extract.{k}": v for k, v in opts.items() if k not in ("threads", "switch")}})
         shutil.rmtree(work / "store", ignore_errors=True)
         vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
         vreport = dataclasses.replace(report, token_budget=int(opts.get("token_budget", report.token_budget)))
-        vb = measure_pipeline(vstore, vversion, vunits, vreport, vcfg, device, dtype_name, sampler,
-                              threads=int(opts["threads"]) if "threads" in opts else None)
+        # switch=S: the interpreter's GIL switch interval (default 5 ms) during this run: does the thread
+        # launching the forward wait for the GIL behind the writer threads?
+        old_switch = sys.getswitchinterval()
+        sys.setswitchinterval(float(opts.get("switch", old_switch)))
+        try:
+            vb = measure_pipeline(vstore, vversion, vunits, vreport, vcfg, device, dtype_name, sampler,
+                                  threads=int(opts["threads"]) if "threads" in opts else None)
+        finally:
+            sys.setswitchinterval(old_switch)
         vb["variant"] = spec
         res.setdefault("b_variants", []).append(vb)
         log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
-            f"writer wait {vb['writer_wait_s']:.2f} s")
+            f"writer wait {vb['writer_wait_s']:.2f} s, GPU busy {vb['gpu_busy']}")
 
     extract_mod.load_target = load_target
     res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
@@ -340,6 +353,8 @@ def main():
     p.add_argument("--writer-configs", default="zstd:1,zstd:2,zstd:4,zstd:8,lz4:4,none:4")
     p.add_argument("--b-variants", default="", help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4'")
     p.add_argument("--variant-shapes", default="8b,tiny-dense")
+    p.add_argument("--compile-norms", action="store_true", help="experiment: torch.compile every RMSNorm "
+                   "(fuses its elementwise kernels) before (a) and (b); needs --no-save")
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
     p.add_argument("--work", default="/tmp/dflash-bench")
