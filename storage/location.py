@@ -5,7 +5,8 @@ both; what provides each guarantee differs (docs/STORE.md, "Object storage"):
 
 - a record (commit.json, CURRENT) is replaced atomically: locally temp file + fsync + rename + directory
   fsync; on object storage one PUT (readers see the old or the new object, never a torn one);
-- a shard is never torn: temp file + rename; one PUT (or one multipart upload, also all or nothing);
+- a shard is never torn, and is durable before its commit record: temp file + fsync + rename + directory
+  fsync; one PUT (or one multipart upload, also all or nothing);
 - orphans of a killed writer: `*.partial` temp files, removed; unfinished multipart uploads, aborted;
 - a snapshot shares the complete units: hard links; server-side copies (S3 has no links);
 - one run per store: flock (dies with its process); a lease object created by a conditional PUT
