@@ -9,7 +9,7 @@ Per shape:
   shape is saved as a HF checkpoint on local disk and every stage loads it through target/loader.py. The 27B
   shape (54 GB) is not saved: the GPU host's 64 GiB disk cannot hold it next to the store. Its directory
   holds config.json and a sparse safetensors file (real header, unwritten data), so probe(), provenance
-  and fingerprints run unchanged, and run_worker's load_target is replaced by the model already on the GPU.
+  and fingerprints run unchanged, and run_worker's load_planned is replaced by the model already on the GPU.
   Loading is outside every measured window, so this changes no figure.
 - synthetic prepared samples: random token ids, lengths log-normal (median 900) clipped to [200, 4096].
 - (a) _Runner.run (hooks, early stop after the highest needed layer, packing on the device) over exactly the
@@ -203,7 +203,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from pipeline.config import load_config
     from target import extract as extract_mod
-    from target.loader import load_target
+    from target.loader import load_planned
     from target.probe import probe
 
     device = args.device
@@ -260,7 +260,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
 
     if save:
         t = time.monotonic()
-        model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device)
+        model = load_planned(report, device)
         res["load_s"] = time.monotonic() - t
         log(f"{shape}: loaded through target.loader in {res['load_s']:.1f} s")
     lin, attn = linear_flops_per_token(model, max(report.layer_ids + ([report.num_layers - 1] if report.capture_last else [])))
@@ -295,7 +295,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     else:
-        extract_mod.load_target = lambda *a_, **k_: model  # the model already on the GPU (see the docstring)
+        extract_mod.load_planned = lambda *a_, **k_: model  # the model already on the GPU (see the docstring)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
@@ -307,8 +307,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     # (b) variants: other writer settings; the model is loaded once for all of them (load is excluded anyway)
     variants = [v for v in args.b_variants.split(";") if v] if shape in args.variant_shapes.split(",") else []
     if variants and save:
-        model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device)
-        extract_mod.load_target = lambda *a_, **k_: model
+        model = load_planned(report, device)
+        extract_mod.load_planned = lambda *a_, **k_: model
     for spec in variants:
         opts = dict(kv.split("=") for kv in spec.split(","))
         vcfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt),
@@ -331,7 +331,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
             f"writer wait {vb['writer_wait_s']:.2f} s, GPU busy {vb['gpu_busy']}")
 
-    extract_mod.load_target = load_target
+    extract_mod.load_planned = load_planned
     res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
     res["b_over_c"] = b["tokens_per_s"] / c["tokens_per_s"]
     model = None

@@ -4,7 +4,8 @@ split replica, target/placement.py).
 Why Ray (through prefect-ray's RayTaskRunner) rather than a home-made launcher: it already schedules
 tasks onto nodes by resources (`num_gpus=1` sets CUDA_VISIBLE_DEVICES per task), restarts dead workers,
 and is what multi-node GPU users tend to run. Each task is a Ray worker process, so isolation comes from
-Ray; our worker runs in it directly. The store must be on a filesystem every node mounts at the same path.
+Ray; our worker runs in it directly. The store must be on a filesystem every node mounts at the same path,
+or on object storage (s3://) that every node reaches.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
+# A unit's commit record before its first commit (commit.json absent).
+NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
 LAYER_CONVENTION = ("decoder-layer index i; value = output of decoder layer i before any final norm, which is HF "
                     "output_hidden_states[i + 1] (for the last layer HF gives the post-norm value instead); "
                     "layers concatenated in target_layer_ids order along axis 1")

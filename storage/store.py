@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pipeline.errors import StoreError
-from storage.layout import DTYPES, FORMAT_VERSION, chunking, compressors
+from storage.layout import DTYPES, FORMAT_VERSION, NOTHING_COMMITTED, chunking, compressors
 from storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
@@ -188,8 +188,7 @@ class Store:
         return dict(self.open_unit(version, unit).attrs)
 
     def commit_record(self, version: str, unit: str) -> dict[str, Any]:
-        return self.loc.read_json(f"{self._unit_rel(version, unit)}/commit.json",
-                                  {"committed_tokens": 0, "complete": False})
+        return self.loc.read_json(f"{self._unit_rel(version, unit)}/commit.json", dict(NOTHING_COMMITTED))
 
     def plan_units(self, version: str, sample_ids: list[str], lengths: list[int],
                    fetch: Callable[[list[int]], tuple[list, list]], unit_tokens: int, chunk_mib: float,

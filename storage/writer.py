@@ -11,8 +11,8 @@ are removed.
 Throughput: one H200 on an 8B-class target produces ~1 GB/s of bf16, and zstd needs several cores for
 that. Writes therefore run on `threads` background threads, several shards in flight at once. Shards may
 finish out of order; step 3 then advances committed_tokens only over the contiguous prefix of written
-shards, so the protocol above holds unchanged. At most `max_pending` shards are in flight and shard
-buffers are recycled (BufferPool), which bounds host memory by (2 max_pending + 1) shards
+shards, so the protocol above holds unchanged. At most max_pending = threads + 1 shards are in flight and
+shard buffers are recycled (BufferPool), which bounds host memory by (2 max_pending + 1) shards
 (`buffer_bytes`: buffers plus encoded copies in flight) whatever the unit or dataset size.
 
 zarr-python's own write path tops out near 0.6 GB/s per process, compression or not (measured on the GPU
@@ -40,7 +40,7 @@ import numpy as np
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from storage.commit import crash_point
-from storage.layout import DTYPES
+from storage.layout import DTYPES, NOTHING_COMMITTED
 from storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
@@ -126,14 +126,12 @@ class BufferPool:
         self._alloc = alloc or (lambda shape, dtype: np.empty(shape, dtype))
         self._free: dict[tuple, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        self.allocated_bytes = 0
 
     def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             if self._free.get(key):
                 return self._free[key].pop()
-            self.allocated_bytes += int(np.prod(shape)) * np.dtype(dtype).itemsize
         return self._alloc(tuple(shape), np.dtype(dtype))
 
     def put(self, arr: np.ndarray) -> None:
@@ -165,7 +163,7 @@ class UnitWriter:
         self.shard_tokens: int = attrs["shard_tokens"]
         self.samples = attrs["samples"]
         self.stored_dtype = DTYPES[attrs["logical_dtype"]][0]
-        rec = self.loc.read_json("commit.json", {"committed_tokens": 0, "complete": False})
+        rec = self.loc.read_json("commit.json", dict(NOTHING_COMMITTED))
         self.committed: int = rec["committed_tokens"]
         self.complete: bool = rec["complete"]
         assert self.committed % self.shard_tokens == 0 or self.committed == self.n_tokens, rec

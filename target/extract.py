@@ -29,7 +29,7 @@ from storage.store import Store
 from storage.writer import BufferPool, UnitWriter
 from target.batching import plan_batches
 from target.capture import LayerCapture
-from target.loader import load_target
+from target.loader import load_planned
 from target.placement import input_device, replica_devices
 from target.probe import ProbeReport
 
@@ -254,8 +254,7 @@ def run_worker(
     first = input_device(device)
     if gpus:
         torch.cuda.set_device(first)  # CUDA events and streams below belong to the replica's first GPU
-    model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device, attn_implementation,
-                        working_bytes=report.working_gib * GIB, max_gpu_memory_gib=cfg.max_gpu_memory_gib)
+    model = load_planned(report, device, attn_implementation)
     runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), first, pad_id,
                      DTYPES[store_dtype][1])
     to_writer = _ToWriter(first)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.errors import CompatError
 from target.placement import device_map_summary, replica_devices, split_device_map
+
+if TYPE_CHECKING:
+    from target.probe import ProbeReport
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,13 @@ def load_target(model_path: str, dtype_kwarg: str, dtype: str, device: str, attn
     if getattr(model.config, "use_cache", None):
         model.config.use_cache = False
     return model
+
+
+def load_planned(report: "ProbeReport", device: str, attn_implementation: str | None = None):
+    """The target as the probe planned it: its dtype keyword and compute dtype, and on a split replica the
+    same working-memory reserve and per-GPU cap."""
+    return load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device, attn_implementation,
+                       working_bytes=report.working_gib * 2**30, max_gpu_memory_gib=report.max_gpu_memory_gib)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

@@ -61,6 +61,7 @@ class ProbeReport:
     # One entry per worker: a device, or GPUs joined by '+' that share one split replica (target/placement.py).
     replicas: list[str] = field(default_factory=list)
     token_budget: int = AUTO_TOKEN_BUDGET_MAX  # padded tokens per forward batch (extract.token_budget, resolved)
+    max_gpu_memory_gib: float | None = None  # extract.max_gpu_memory_gib: the per-GPU cap the plan used
 
     @property
     def hybrid(self) -> bool:
@@ -274,7 +275,7 @@ def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, mo
         num_layers=num_layers, hidden_size=hidden, layer_types=layer_types, layer_ids=ids,
         layer_preset=layers.preset, capture_last=layers.capture_last, compute_dtype=dtype, devices=infos,
         weights_gib=w_bytes / GIB, working_gib=working / GIB, placement=placement, warnings=warnings,
-        replicas=replicas, token_budget=budget,
+        replicas=replicas, token_budget=budget, max_gpu_memory_gib=extract.max_gpu_memory_gib,
     )
 
 

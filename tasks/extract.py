@@ -52,7 +52,7 @@ def extract_worker_task(cfg: RunConfig, report: ProbeReport, version: str, units
         log.info("%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s", p.device, p.unit, p.tokens_done,
                  p.tokens_total, pct, p.tokens_per_s, p.eta_s)
 
-    on_ray = device.startswith("ray:")  # a Ray worker process: Ray chose the node and pinned one GPU
+    on_ray = device.startswith("ray:")  # a Ray worker process: Ray chose the node and pinned its GPUs
     if cfg.extract.isolation == "process" and not on_ray:
         n_cpu = sum(d.name.startswith("cpu") for d in report.devices)
         spec = {"store_root": cfg.store, "store_options": cfg.store_options, "version": version, "units": units,

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from dataprep.prepare import PrepareResult
 from pipeline.config import RunConfig
 from storage.store import Store
-from target.loader import load_target
+from target.loader import load_planned
 from target.placement import input_device
 from target.probe import ProbeReport
 from target.validate import ValidationReport, raise_if_failed, validate_store
@@ -25,9 +25,7 @@ def validate_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, 
     store = Store(cfg.store, cfg.store_options)
     model = None
     if cfg.validate_.recompute_samples:
-        model = load_target(report.model_path, report.dtype_kwarg, report.compute_dtype, device,
-                            cfg.target.attn_implementation, working_bytes=report.working_gib * 2**30,
-                            max_gpu_memory_gib=cfg.extract.max_gpu_memory_gib)
+        model = load_planned(report, device, cfg.target.attn_implementation)
     result = validate_store(store, version, prepared, cfg.validate_, model=model,
                              device=input_device(device))
     store.loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict(), indent=1).encode())
