@@ -166,9 +166,11 @@ def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkey
     with Store(url, s3.options).lock():  # released
         pass
 
-    monkeypatch.setattr(s3_module, "LEASE_S", 0.5)
+    # A short lease, renewed every LEASE_S / 4 by the heartbeat; margins wide enough for a loaded 2-core CI
+    # machine (with 0.5 s a starved heartbeat once let the lease expire).
+    monkeypatch.setattr(s3_module, "LEASE_S", 3.0)
     with Store(url, s3.options).lock():
-        time.sleep(1.2)  # > the lease: only the heartbeat keeps it
+        time.sleep(4.0)  # > the lease: only the heartbeat keeps it
         with pytest.raises(StoreError, match="in use by another run"):
             with Store(url, s3.options).lock():
                 pass
