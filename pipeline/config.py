@@ -93,6 +93,15 @@ class ExtractConfig(Section):
     shard_mib: float = Field(128.0, gt=0, description="Target size of one store shard file (MiB, raw).")
     chunk_mib: float = Field(4.0, gt=0, description="Target size of one compressed chunk inside a shard (MiB).")
     compression: Literal["zstd", "lz4", "none"] = Field("zstd", description="Codec for hidden states.")
+    compile: Literal["auto", "off", "norms", "layers"] = Field(
+        "auto", description="torch.compile parts of the target for fused kernels: 'norms' (every RMSNorm), "
+        "'layers' (each decoder layer whole), 'off'. 'auto' on a GPU with triton: 'layers' for an all-softmax-"
+        "attention target, 'norms' for a hybrid (linear attention); else 'off'. "
+        "A compile failure falls back to the eager forward with a warning.")
+    store_writers: Literal["auto", "processes", "threads"] = Field(
+        "auto", description="Where shards are compressed and written: 'processes' (separate writer processes "
+        "fed through shared memory in /dev/shm, so they never hold up the GPU's feeder thread), 'threads' (in "
+        "the worker process), 'auto' = processes for a GPU worker, threads for a CPU one.")
     store_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="'auto' = the model's compute dtype.")
     io_retries: int = Field(5, ge=1, description="Attempts for a store write before giving up.")

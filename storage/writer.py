@@ -8,12 +8,14 @@ A sample is stored once committed_tokens >= its start + length. After a crash, a
 at committed_tokens (a shard boundary); anything written past it is overwritten, and orphan temp files
 are removed.
 
-Throughput: one H200 on an 8B-class target produces ~1 GB/s of bf16, and zstd needs several cores for
-that. Writes therefore run on `threads` background threads, several shards in flight at once. Shards may
-finish out of order; step 3 then advances committed_tokens only over the contiguous prefix of written
-shards, so the protocol above holds unchanged. At most max_pending = threads + 1 shards are in flight and
-shard buffers are recycled (BufferPool), which bounds host memory by (2 max_pending + 1) shards
-(`buffer_bytes`: buffers plus encoded copies in flight) whatever the unit or dataset size.
+Throughput: one H200 on an 8B-class target produces ~1.6 GB/s of bf16, and zstd needs several cores for
+that. Writes therefore run on `threads` background threads, several shards in flight at once; in a GPU
+worker each thread hands its shard to a writer process (storage/shardio.py), so that compression never
+competes for the GIL with the thread that feeds the GPU. Shards may finish out of order; step 3 then
+advances committed_tokens only over the contiguous prefix of written shards, so the protocol above holds
+unchanged. At most max_pending = threads + 1 shards are in flight and shard buffers are recycled
+(BufferPool), which bounds host memory by 2 (max_pending + 1) shards (`buffer_bytes`: buffers plus encoded
+copies in flight) whatever the unit or dataset size.
 
 zarr-python's own write path tops out near 0.6 GB/s per process, compression or not (measured on the GPU
 host, bench/RESULTS.md): its sharding encoder runs on one event-loop thread under the GIL and copies each
@@ -28,7 +30,6 @@ local directory (temp file + rename) or object storage (one PUT each).
 from __future__ import annotations
 
 import logging
-import struct
 import sys
 import threading
 import time
@@ -42,11 +43,9 @@ from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_afte
 from storage.commit import crash_point
 from storage.layout import DTYPES, NOTHING_COMMITTED
 from storage.location import Location, open_location
+from storage.shardio import SharedBuffers, ShardProcesses, encode_shard
 
 log = logging.getLogger(__name__)
-
-
-_EMPTY = np.uint64(2**64 - 1)  # the sharding index's marker for a chunk not stored
 
 
 class _ShardFile:
@@ -92,51 +91,62 @@ class _ShardFile:
             return None
         return cls(loc, arr.path, meta, shard[0], chunk[0], blosc)
 
-    def write(self, start: int, rows: np.ndarray) -> None:
-        """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one."""
-        assert start % self.shard_rows == 0 and 0 < len(rows) <= self.shard_rows, (start, len(rows))
-        import google_crc32c
+    def key(self, start: int) -> str:
+        coords = (start // self.shard_rows,) + (0,) * (len(self.meta.shape) - 1)
+        return f"{self.path}/{self.meta.encode_chunk_key(coords)}"
 
-        c_rows = self.chunk_rows
-        index = np.full((self.shard_rows // c_rows, 2), _EMPTY, dtype="<u8")
-        pieces, offset = [], 0
-        for i in range(-(-len(rows) // c_rows)):
-            chunk = np.ascontiguousarray(rows[i * c_rows : (i + 1) * c_rows])
-            if len(chunk) < c_rows:  # the array's last chunk is stored whole, padded with the fill value
-                padded = np.zeros((c_rows, *rows.shape[1:]), dtype=rows.dtype)
-                padded[: len(chunk)] = chunk
-                chunk = padded
-            data = self.blosc.encode(chunk) if self.blosc is not None else chunk  # Blosc releases the GIL
-            n = memoryview(data).nbytes
-            pieces += [data, struct.pack("<I", google_crc32c.value(data))]
-            index[i] = (offset, n + 4)
-            offset += n + 4
-        index_bytes = index.tobytes()
-        pieces += [index_bytes, struct.pack("<I", google_crc32c.value(index_bytes))]
-        coords = (start // self.shard_rows,) + (0,) * (rows.ndim - 1)
-        self.loc.write_object(f"{self.path}/{self.meta.encode_chunk_key(coords)}", pieces)  # never torn
+    def write(self, start: int, rows: np.ndarray, procs: ShardProcesses | None = None,
+              buffer: tuple | None = None) -> None:
+        """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one.
+        With `procs`, a writer process encodes and writes them from the shared `buffer` they start."""
+        assert start % self.shard_rows == 0 and 0 < len(rows) <= self.shard_rows, (start, len(rows))
+        if procs is not None:
+            procs.write_shard(self.loc, self.key(start), buffer, len(rows), self.shard_rows, self.chunk_rows,
+                              self.blosc.get_config() if self.blosc is not None else None)
+        else:
+            self.loc.write_object(self.key(start), encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc))
 
 
 class BufferPool:
     """Shard buffers, recycled between shards and between the units of one worker. `alloc(shape, dtype)`
     makes a new one (numpy by default; a GPU worker passes pinned host memory, so that device-to-host
-    copies land in shard buffers directly). A writer takes at most max_pending + 1 at a time."""
+    copies land in shard buffers directly). A writer holds at most max_pending + 1 at a time; with `limit`,
+    at most that many of each kind exist, and `get` waits for one to come back (a worker's units overlap at
+    their boundaries: one unit's last shards are written while the next unit's first ones fill)."""
 
-    def __init__(self, alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None):
-        self._alloc = alloc or (lambda shape, dtype: np.empty(shape, dtype))
+    def __init__(self, alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+                 limit: int | None = None):
+        self.alloc = alloc or (lambda shape, dtype: np.empty(shape, dtype))
+        self.limit = limit
         self._free: dict[tuple, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
+        self._made: dict[tuple, int] = {}
+        self._cond = threading.Condition()
 
     def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (tuple(shape), np.dtype(dtype).str)
-        with self._lock:
+        with self._cond:
+            while not self._free.get(key) and self.limit is not None and self._made.get(key, 0) >= self.limit:
+                self._cond.wait()
             if self._free.get(key):
                 return self._free[key].pop()
-        return self._alloc(tuple(shape), np.dtype(dtype))
+            self._made[key] = self._made.get(key, 0) + 1
+        return self.alloc(tuple(shape), np.dtype(dtype))
+
+    def reserve(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> None:
+        """Allocate now until n buffers of this kind are free (or the limit is reached)."""
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._cond:
+            missing = n - len(self._free.get(key, []))
+            if self.limit is not None:
+                missing = min(missing, self.limit - self._made.get(key, 0))
+            self._made[key] = self._made.get(key, 0) + max(0, missing)
+        for _ in range(missing):
+            self.put(self.alloc(tuple(shape), np.dtype(dtype)))
 
     def put(self, arr: np.ndarray) -> None:
-        with self._lock:
+        with self._cond:
             self._free.setdefault((arr.shape, arr.dtype.str), []).append(arr)
+            self._cond.notify_all()
 
 
 def _copy_rows(dst: np.ndarray, src) -> None:
@@ -147,7 +157,10 @@ class UnitWriter:
     """`unit`: the unit's location (Store.unit_location), or the path of a local unit directory."""
 
     def __init__(self, unit: Location | str | Path, io_retries: int = 5, threads: int = 1,
-                 buffers: BufferPool | None = None):
+                 buffers: BufferPool | None = None, procs: ShardProcesses | None = None):
+        """`threads` shards are written at once. With `procs` (storage/shardio.py) the threads hand each shard
+        to a writer process instead of encoding it themselves; `buffers` must then allocate SharedBuffers.
+        Arrays whose codec chain is not the store's own are still written through zarr on the threads."""
         self.loc = unit if isinstance(unit, Location) else open_location(unit)
         n = self.loc.remove_partials()
         if n:
@@ -168,17 +181,21 @@ class UnitWriter:
         self.complete: bool = rec["complete"]
         assert self.committed % self.shard_tokens == 0 or self.committed == self.n_tokens, rec
         self._io_retries = io_retries
+        self._buffers = buffers or BufferPool()
+        self._procs = procs
+        if procs is not None:
+            assert isinstance(self._buffers.alloc, SharedBuffers), "writer processes need shared shard buffers"
+            threads = max(threads, len(procs))
         threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="store-writer")
         self._pending: list[Future] = []
         self._max_pending = threads + 1  # shards being written; one more is being filled
         self._lock = threading.Lock()
         self._written: dict[int, int] = {}  # shard start -> end, written but not yet committed (out of order)
-        self._buffers = buffers or BufferPool()
         self.blocked_s = 0.0  # time the producer waited for the writer (backpressure)
         self._next = self.committed  # next absolute token position the buffer expects
         self._buf_start = self.committed
-        self._new_buffer()
+        self._h = None  # the shard buffer being filled, taken from the pool on the first rows
 
     @property
     def resume_token(self) -> int:
@@ -187,11 +204,25 @@ class UnitWriter:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bound on the host memory this writer holds: (max_pending + 1) shard buffers, plus the encoded
-        copy of each shard being written (at most a shard each; ~0.7 of one with zstd)."""
+        """Bound on the host memory for rows in flight: (max_pending + 1) shard buffers (also the pool's
+        limit in a worker, whose consecutive units share them), plus the encoded copy of each shard being
+        written (at most a shard each; ~0.7 of one with zstd)."""
         k, h = self.hidden.shape[1:]
         row = (k * h + (h if self.last is not None else 0)) * self.stored_dtype.itemsize
-        return (2 * self._max_pending + 1) * self.shard_tokens * row
+        return 2 * (self._max_pending + 1) * self.shard_tokens * row
+
+    def reserve_buffers(self) -> None:
+        """Allocate the shard buffers this writer can hold at once now rather than on the first shards (a
+        GPU worker does it while the model loads: page-locking them takes about a second)."""
+        k, h = self.hidden.shape[1:]
+        self._buffers.reserve((self.shard_tokens, k, h), self.stored_dtype, self._max_pending + 1)
+        if self.last is not None:
+            self._buffers.reserve((self.shard_tokens, h), self.stored_dtype, self._max_pending + 1)
+
+    @property
+    def idle(self) -> bool:
+        """Every shard handed over so far is written and committed (or failed: finish() raises)."""
+        return all(f.done() for f in self._pending)
 
     def _new_buffer(self) -> None:
         size = min(self.shard_tokens, self.n_tokens - self._buf_start)
@@ -217,6 +248,10 @@ class UnitWriter:
         hidden = hidden[skip:]
         last = last[skip:] if last is not None else None
         while len(hidden):
+            if self._h is None:
+                t0 = time.monotonic()
+                self._new_buffer()  # may wait for a buffer the worker's previous unit is still writing
+                self.blocked_s += time.monotonic() - t0
             room = len(self._h) - self._fill
             take = min(room, len(hidden))
             copy(self._h[self._fill : self._fill + take], hidden[:take])
@@ -232,14 +267,13 @@ class UnitWriter:
     def _submit(self) -> None:
         start, h, l, bufs = self._buf_start, self._h, self._l, self._bufs
         self._buf_start += len(h)
-        # Wait first, then submit, then take the next buffer: at most max_pending buffers are being
-        # written and one is being filled.
+        # Wait first, then submit; the next rows take the next buffer: at most max_pending buffers are
+        # being written and one is being filled.
         t0 = time.monotonic()
         self._reap(block_until=self._max_pending - 1)
         self.blocked_s += time.monotonic() - t0
         self._pending.append(self._pool.submit(self._write_and_commit, start, h, l, bufs))
-        if self._buf_start < self.n_tokens:
-            self._new_buffer()
+        self._h = None
 
     def _reap(self, block_until: int) -> None:
         while len(self._pending) > block_until:
@@ -252,13 +286,15 @@ class UnitWriter:
                wait=wait_exponential(multiplier=0.5, max=10), reraise=True,
                before_sleep=before_sleep_log(log, logging.WARNING))
         def write() -> None:
-            for name, arr, rows in (("hidden", self.hidden, h), ("last", self.last, l)):
+            for name, arr, rows, buf in (("hidden", self.hidden, h, bufs[0]), ("last", self.last, l, bufs[1])):
                 if rows is None:
                     continue
-                if self._fast[name] is not None:
-                    self._fast[name].write(start, rows)
-                else:
+                if self._fast[name] is None:
                     arr[start:end] = rows
+                elif self._procs is not None:
+                    self._fast[name].write(start, rows, self._procs, self._buffers.alloc.where(buf))
+                else:
+                    self._fast[name].write(start, rows)
 
         write()
         crash_point("after_shard_write")

@@ -7,7 +7,8 @@ On a GPU the three stages overlap (bench/RESULTS.md has the measurements):
   index, not by a boolean mask);
 - meanwhile the rows of batch i-1 go down by DMA, on a side stream, straight into the writer's pinned
   shard buffers (_ToWriter);
-- the writer compresses and writes shards on its own threads (storage/writer.py).
+- the writer compresses and writes shards in separate processes (storage/shardio.py; on a CPU worker, or
+  with extract.store_writers=threads, on threads of this process: storage/writer.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 import os
 import sys
 import time
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -24,12 +26,14 @@ import numpy as np
 import torch
 
 from pipeline.config import ExtractConfig
+from pipeline.errors import StoreError
 from storage.layout import DTYPES, to_storage
 from storage.store import Store
+from storage.shardio import SharedBuffers, ShardProcesses
 from storage.writer import BufferPool, UnitWriter
 from target.batching import plan_batches
 from target.capture import LayerCapture
-from target.loader import load_planned
+from target.loader import compile_modules, load_planned, resolve_compile
 from target.placement import input_device, replica_devices
 from target.probe import ProbeReport
 
@@ -60,7 +64,8 @@ class WorkerResult:
     peak_gpu_gib: float = 0.0
     per_unit: dict[str, float] = field(default_factory=dict)
     gpu_busy_fraction: float = 0.0  # GPU time in forwards (CUDA events) / wall time of the extraction loop
-    writer_wait_s: float = 0.0  # time the loop waited for the store writer (backpressure)
+    writer_wait_s: float = 0.0  # time the loop waited for the store writer (backpressure) within units
+    drain_s: float = 0.0  # time the worker waited at the end for the last shards to be written
     copy_wait_s: float = 0.0  # time the loop waited for device-to-host copies
     host_buffer_gib: float = 0.0  # bound on host memory for rows in flight (UnitWriter.buffer_bytes)
 
@@ -72,15 +77,51 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def default_writer_threads(device: str) -> int:
-    """Store-writer threads per worker. A CPU worker produces a few MB/s: one thread keeps commits strictly
-    in order, as the kill tests expect. A GPU worker produces up to ~1.4 GB/s of bf16, and zstd compresses
-    ~0.2-0.4 GB/s per core next to the GPU feeder: 3/4 of the host's cores per GPU, at most 12 (on a 16-core
-    H200 host 12 threads took the 8B shape from 26.7k to 29.0k tokens/s over 8: bench/RESULTS.md run 5)."""
+def _is_compile_error(e: BaseException) -> bool:
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def uses_writer_processes(store_writers: str, device: str) -> bool:
+    return store_writers == "processes" or (store_writers == "auto" and device.startswith("cuda"))
+
+
+def default_store_writers(device: str, store_writers: str = "auto") -> int:
+    """Shards written at once per worker. A CPU worker produces a few MB/s: one keeps commits strictly in
+    order, as the kill tests expect. A GPU worker produces up to ~1.6 GB/s of bf16, and zstd compresses
+    ~0.2-0.3 GB/s per core: writer processes on all but two of the host's cores per GPU (one feeds the GPU),
+    at most 14; writer threads share the feeder's interpreter, and more than 3/4 of the cores, at most 12,
+    slowed it (bench/RESULTS.md runs 5 and 9)."""
     if not device.startswith("cuda"):
         return 1
     per_gpu = (os.cpu_count() or 4) // max(1, torch.cuda.device_count())
+    if uses_writer_processes(store_writers, device):
+        return max(2, min(14, per_gpu - 2))
     return max(2, min(12, per_gpu * 3 // 4))
+
+
+def _room_for_shared_buffers(shared: SharedBuffers, cfg: ExtractConfig, writers: int) -> bool:
+    """Whether shared memory holds the writer processes' shard buffers (writers + 2 shards, plus the last
+    layer's rows). Docker's default /dev/shm is 64 MiB: 'auto' then writes on threads, with a warning."""
+    need, free = (writers + 2) * cfg.shard_mib * 2**20 * 1.25, shared.free_bytes()
+    if free >= need:
+        return True
+    msg = (f"{shared.dir} has {free / GIB:.2f} GiB free; {writers} store-writer processes need about "
+           f"{need / GIB:.1f} GiB for their shard buffers ({writers + 2} x extract.shard_mib {cfg.shard_mib:g} MiB)")
+    fix = "enlarge it (docker run --shm-size=8g) or lower extract.shard_mib"
+    if cfg.store_writers == "processes":
+        raise StoreError(f"{msg}: {fix}, or set extract.store_writers: threads")
+    log.warning("%s; writing shards on threads of the worker instead (%s to use processes)", msg, fix)
+    return False
+
+
+def _pin_host(arr: np.ndarray) -> Callable[[], None]:
+    """Page-lock a shared shard buffer for DMA (portable: any GPU of a split replica may copy into it)."""
+    cudart, ptr = torch.cuda.cudart(), arr.ctypes.data
+    rc = int(cudart.cudaHostRegister(ptr, arr.nbytes, 1))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of a {arr.nbytes / 2**20:.0f} MiB shard buffer failed (CUDA error "
+                           f"{rc}); set extract.store_writers: threads to use torch's pinned memory instead")
+    return lambda: cudart.cudaHostUnregister(ptr)
 
 
 # The interpreter's GIL switch interval in a GPU worker. The thread that launches the forward's ~1,000
@@ -104,8 +145,12 @@ def gil_switch_interval(seconds: float | None) -> Iterator[None]:
 class _Runner:
     """Runs batches with out-of-memory backoff: a batch that does not fit is split in halves."""
 
-    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype):
+    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype,
+                 compiled: bool = False):
+        """`compiled`: parts of the model run through torch.compile (target.loader.compile_modules); if
+        compiling fails, the runner goes back to the eager forward, with a warning."""
         self.capture, self.device, self.pad_id, self.dtype = capture, device, pad_id, dtype
+        self.compiled = compiled
         self.cuda = device.startswith("cuda")
         self.forward_passes = 0
         self.oom_splits = 0
@@ -117,6 +162,13 @@ class _Runner:
         try:
             return self._forward(seqs)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            if self.compiled and _is_compile_error(e):
+                log.warning("torch.compile failed on %s (%s: %s); continuing with the eager forward (set "
+                            "extract.compile: off to skip the attempt)", self.device, type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
+                compile_modules(self.capture.model, "off")
+                self.compiled = False
+                return self.run(seqs)
             if not _is_oom(e):
                 raise
             if len(seqs) == 1:
@@ -169,10 +221,12 @@ class _Runner:
 class _Batch:
     """A batch whose rows are computed (or being computed) and not yet handed to the writer."""
     writer: UnitWriter
+    unit: str
     start: int
     hidden: torch.Tensor  # on the device, in the storage dtype
     last: torch.Tensor | None
     ready: torch.cuda.Event | None  # recorded after the forward on the compute stream; None on CPU
+    last_of_unit: bool  # once this batch is handed over, the unit's writer only drains
 
 
 _INT_OF_SIZE = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
@@ -183,15 +237,17 @@ class _ToWriter:
     """Moves a batch's rows into the store writer's shard buffers, one batch behind the forward.
 
     On a GPU the writer's shard buffers are pinned host memory (a BufferPool with a pinned allocator,
-    recycled across shards and units), and the rows go straight into them by DMA on a side stream: no
-    staging buffer and no host memcpy, which at ~1 GB/s of rows kept the host loop from feeding the GPU.
+    recycled across shards and units; shared memory registered with CUDA when processes write the shards),
+    and the rows go straight into them by DMA on a side stream: no staging buffer and no host memcpy, which
+    at ~1 GB/s of rows kept the host loop from feeding the GPU.
     The loop calls `finish(batch i-1)` after queuing forward i, so the copies (and the wait for them,
     which releases the GIL) overlap forward i. On CPU the rows are handed over as numpy views."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, shared: SharedBuffers | None, writers: int):
         self.cuda = device.startswith("cuda")
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.buffers = BufferPool(self._pinned if self.cuda else None)
+        # as many buffers as one UnitWriter with `writers` threads holds at once (max_pending + 1)
+        self.buffers = BufferPool(shared or (self._pinned if self.cuda else None), limit=writers + 2)
         self.wait_s = 0.0
 
     @staticmethod
@@ -199,12 +255,13 @@ class _ToWriter:
         # numpy view of a pinned tensor (the array's base keeps the tensor, and so the memory, alive)
         return torch.empty(shape, dtype=_INT_OF_SIZE[dtype.itemsize][0], pin_memory=True).numpy().view(dtype)
 
-    def ready(self, writer: UnitWriter, start: int, hidden: torch.Tensor, last: torch.Tensor | None) -> _Batch:
+    def ready(self, writer: UnitWriter, unit: str, start: int, hidden: torch.Tensor, last: torch.Tensor | None,
+              last_of_unit: bool) -> _Batch:
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()  # on the compute stream, after this batch's forward
-        return _Batch(writer, start, hidden, last, event)
+        return _Batch(writer, unit, start, hidden, last, event, last_of_unit)
 
     def finish(self, b: _Batch, store_dtype: str) -> None:
         if not self.cuda:
@@ -236,10 +293,10 @@ def run_worker(
     pad_id: int,
     progress: Callable[[Progress], None] | None = None,
     attn_implementation: str | None = None,
-    writer_threads: int | None = None,
+    writers: int | None = None,
     store_options: dict | None = None,
 ) -> WorkerResult:
-    """`writer_threads` overrides default_writer_threads(device) (benchmarks compare settings);
+    """`writers` overrides default_store_writers(device) (benchmarks compare settings);
     `store_options`: the non-secret options of an s3:// store (RunConfig.store_options)."""
     store = Store(store_root, store_options)
     result = WorkerResult(device=device, units=list(units))
@@ -248,71 +305,117 @@ def run_worker(
     if not todo:
         log.info("%s: all %d units already complete; nothing to do", device, len(units))
         return result
+    with ExitStack() as stack:  # writer processes stop, then their shared buffers go
+        return _extract(stack, store, version, todo, report, device, cfg, store_dtype, pad_id, progress,
+                        attn_implementation, writers, result)
 
+
+def _extract(stack: ExitStack, store: Store, version: str, todo: list[str], report: ProbeReport, device: str,
+             cfg: ExtractConfig, store_dtype: str, pad_id: int, progress, attn_implementation: str | None,
+             writers: int | None, result: WorkerResult) -> WorkerResult:
     t0 = time.monotonic()
     gpus = [d for d in replica_devices(device) if d.startswith("cuda")]
     first = input_device(device)
+    procs = shared = None
+    if uses_writer_processes(cfg.store_writers, device):
+        n = writers or default_store_writers(device, "processes")
+        shared = stack.enter_context(closing(SharedBuffers(_pin_host if gpus else None)))
+        if _room_for_shared_buffers(shared, cfg, n):
+            procs = stack.enter_context(closing(ShardProcesses(n)))  # they start while the model loads
+        else:
+            shared = None
+    writers = len(procs) if procs else writers or default_store_writers(device, "threads")
     if gpus:
         torch.cuda.set_device(first)  # CUDA events and streams below belong to the replica's first GPU
+    to_writer = _ToWriter(first, shared, writers)
+    open_writers: dict[str, UnitWriter] = {}
+
+    def writer_for(unit: str) -> UnitWriter:
+        if unit not in open_writers:
+            open_writers[unit] = UnitWriter(store.unit_location(version, unit), io_retries=cfg.io_retries,
+                                            threads=writers, buffers=to_writer.buffers, procs=procs)
+            stack.callback(open_writers[unit].close)  # idempotent; on an error, waits for its writes
+        return open_writers[unit]
+
+    # The shard buffers (pinned: page-locking ~2 GiB takes about a second) are made while the model loads.
+    prefill = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="shard-buffers"))
+    buffers_made = prefill.submit(writer_for(todo[0]).reserve_buffers)
     model = load_planned(report, device, attn_implementation)
+    mode = resolve_compile(cfg.compile, bool(gpus), report.layer_types, split=len(gpus) > 1)
+    compiled = compile_modules(model, mode)
+    if compiled:
+        log.info("%s: torch.compile on %d modules (extract.compile=%s: %s); the first batches compile them",
+                 device, compiled, cfg.compile, mode)
     runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), first, pad_id,
-                     DTYPES[store_dtype][1])
-    to_writer = _ToWriter(first)
-    threads = writer_threads or default_writer_threads(device)
+                     DTYPES[store_dtype][1], compiled=bool(compiled))
+    buffers_made.result()  # re-raises, e.g. too little shared memory
     for g in gpus:
         torch.cuda.reset_peak_memory_stats(g)
     total = sum(store.unit_info(version, u).n_tokens - store.commit_record(version, u)["committed_tokens"]
                 for u in todo)
     done, t_start, last_report = 0, time.monotonic(), 0.0
-    writer_bytes = 0
+    unit_start: dict[str, float] = {}
+
+    draining: dict[str, UnitWriter] = {}  # units whose rows are all handed over; shards still being written
+
+    def finish(unit: str) -> None:
+        draining.pop(unit).finish()
+        result.per_unit[unit] = time.monotonic() - unit_start[unit]
+
+    def hand_over(b: _Batch) -> None:
+        """b's rows to its writer. A unit's last shards are written while the next unit's batches run: the
+        loop never waits at a unit boundary (the shared buffer pool still bounds what is in flight)."""
+        to_writer.finish(b, store_dtype)
+        if b.last_of_unit:
+            draining[b.unit] = b.writer
+        for unit in [u for u, w in draining.items() if w.idle]:
+            finish(unit)
+
+    inflight: _Batch | None = None  # computed (or being computed), handed to its writer one batch later
     with gil_switch_interval(GPU_GIL_SWITCH_S if gpus else None):
         for unit in todo:
-            writer = UnitWriter(store.unit_location(version, unit), io_retries=cfg.io_retries, threads=threads,
-                                buffers=to_writer.buffers)
-            writer_bytes = max(writer_bytes, writer.buffer_bytes)
-            inflight: _Batch | None = None
-            try:
-                samples = writer.samples
-                starts = [s[1] for s in samples]
-                lengths = [s[2] for s in samples]
-                ids = store.open_unit(version, unit)["input_ids"][:]
-                u0, resume = time.monotonic(), writer.resume_token
-                for a, b in plan_batches(lengths, report.token_budget):
-                    end_tok = starts[b - 1] + lengths[b - 1]
-                    if end_tok <= writer.resume_token:
-                        continue
-                    seqs = [ids[starts[i] : starts[i] + lengths[i]] for i in range(a, b)]
-                    hidden, last = runner.run(seqs)  # queued on the GPU
-                    batch = to_writer.ready(writer, starts[a], hidden, last)
-                    if inflight is not None:  # the previous batch goes to the writer while this forward runs
-                        to_writer.finish(inflight, store_dtype)
-                    inflight = batch
-                    done += end_tok - max(starts[a], resume)
-                    now = time.monotonic()
-                    if progress and (now - last_report > 2.0 or done >= total):
-                        rate = done / max(now - t_start, 1e-9)
-                        progress(Progress(device, unit, done, total, rate, (total - done) / max(rate, 1e-9)))
-                        last_report = now
-                if inflight is not None:
-                    to_writer.finish(inflight, store_dtype)
-                    inflight = None
-                writer.finish()
-                result.per_unit[unit] = time.monotonic() - u0
-            finally:
-                writer.close()
-                result.writer_wait_s += writer.blocked_s
+            unit_start[unit] = time.monotonic()
+            writer = writer_for(unit)
+            samples = writer.samples
+            starts, lengths = [s[1] for s in samples], [s[2] for s in samples]
+            resume = writer.resume_token
+            plan = [(a, b) for a, b in plan_batches(lengths, report.token_budget)
+                    if starts[b - 1] + lengths[b - 1] > resume]  # batches committed before a restart are skipped
+            assert plan, f"unit {unit} is in the to-do list but has nothing left to extract"
+            ids = store.open_unit(version, unit)["input_ids"][:]
+            for k, (a, b) in enumerate(plan):
+                seqs = [ids[starts[i] : starts[i] + lengths[i]] for i in range(a, b)]
+                hidden, last = runner.run(seqs)  # queued on the GPU
+                batch = to_writer.ready(writer, unit, starts[a], hidden, last, last_of_unit=k == len(plan) - 1)
+                if inflight is not None:  # the previous batch goes to its writer while this forward runs
+                    hand_over(inflight)
+                inflight = batch
+                done += starts[b - 1] + lengths[b - 1] - max(starts[a], resume)
+                now = time.monotonic()
+                if progress and (now - last_report > 2.0 or done >= total):
+                    rate = done / max(now - t_start, 1e-9)
+                    progress(Progress(device, unit, done, total, rate, (total - done) / max(rate, 1e-9)))
+                    last_report = now
+        if inflight is not None:
+            hand_over(inflight)
+        t = time.monotonic()
+        for unit in list(draining):
+            finish(unit)
+        result.drain_s = time.monotonic() - t
     wall = time.monotonic() - t_start
+    result.writer_wait_s = sum(w.blocked_s for w in open_writers.values())
+    result.host_buffer_gib = max(w.buffer_bytes for w in open_writers.values()) / GIB
     result.tokens = done
     result.forward_passes = runner.forward_passes
     result.oom_splits = runner.oom_splits
     result.seconds = time.monotonic() - t0
     result.tokens_per_s = done / max(wall, 1e-9)
     result.copy_wait_s = to_writer.wait_s
-    result.host_buffer_gib = writer_bytes / GIB
     if gpus:
         result.peak_gpu_gib = max(torch.cuda.max_memory_allocated(g) for g in gpus) / GIB
         result.gpu_busy_fraction = runner.gpu_seconds() / max(wall, 1e-9)
-    log.info("%s: extracted %d tokens in %d units at %.0f tokens/s (%d forward passes, %d OOM splits, "
-             "GPU busy %.0f%%, waited %.1f s for the writer)", device, done, len(todo), result.tokens_per_s,
-             runner.forward_passes, runner.oom_splits, 100 * result.gpu_busy_fraction, result.writer_wait_s)
+    log.info("%s: extracted %d tokens in %d units at %.0f tokens/s (%d forward passes, %d OOM splits, GPU busy "
+             "%.0f%%, waited %.1f s for the writer, %.1f s for the last shards)", device, done,
+             len(todo), result.tokens_per_s, runner.forward_passes, runner.oom_splits,
+             100 * result.gpu_busy_fraction, result.writer_wait_s, result.drain_s)
     return result

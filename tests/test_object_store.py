@@ -113,9 +113,9 @@ def test_extraction_on_s3_equals_local_and_reads_back(s3, clean_extraction, tmp_
 
 def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp_path):
     """A worker process SIGKILLed after a shard write, a second one during a commit (the record is ready,
-    not yet PUT), then a rerun (in this process): the store equals an uninterrupted run and committed
-    shards were not recomputed. The workers get the endpoint through the run config (store_options) and
-    the credentials from the environment."""
+    not yet PUT), then a rerun (in this process; the first and the last with writer processes): the store
+    equals an uninterrupted run and committed shards were not recomputed. The workers get the endpoint
+    through the run config (store_options) and the credentials from the environment."""
     overrides = s3.overrides("killed", KILL_OVERRIDES)
     store = Store(s3.url("killed"), s3.options)
 
@@ -123,7 +123,8 @@ def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp
         v = store.versions()[0]
         return sum(store.commit_record(v, u)["committed_tokens"] for u in store.units(v))
 
-    first = run_extract_proc(tmp_path, overrides, "after_shard_write:3")
+    procs = {**overrides, "extract.store_writers": "processes"}  # shards PUT by writer processes (a GPU's way)
+    first = run_extract_proc(tmp_path, procs, "after_shard_write:3")
     assert first.returncode == -9, first.stderr[-2000:]
     after_first = committed()
     assert after_first > 0
@@ -131,7 +132,7 @@ def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp
     assert second.returncode == -9, second.stderr[-2000:]
     assert committed() > after_first  # resumed, committed once, killed before the second record was PUT
 
-    resumed = extract_local(tmp_path, overrides)
+    resumed = extract_local(tmp_path, procs)
     assert 0 < resumed.result.forward_passes < clean_extraction.result.forward_passes
     assert_same_store(snapshot(Store(clean_extraction.store), clean_extraction.plan.version),
                       snapshot(store, store.versions()[0]))

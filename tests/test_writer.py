@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import zarr
 
+from pipeline.errors import StoreError
+from storage.shardio import SharedBuffers, ShardProcesses
 from storage.store import Store
-from storage.writer import UnitWriter
+from storage.writer import BufferPool, UnitWriter
 
 
 def _unit_copy(small_store, tmp_path, name):
@@ -67,11 +69,11 @@ def test_io_errors_are_retried(small_store, tmp_path, monkeypatch):
     real = writer_mod._ShardFile.write
     calls = {"n": 0}
 
-    def flaky(self, start, rows):
+    def flaky(self, start, rows, *args):
         calls["n"] += 1
         if calls["n"] <= 2:
             raise OSError(5, "Input/output error (injected)")
-        return real(self, start, rows)
+        return real(self, start, rows, *args)
 
     monkeypatch.setattr(writer_mod._ShardFile, "write", flaky)
     monkeypatch.setattr(writer_mod, "wait_exponential", lambda **kw: (lambda retry_state: 0))
@@ -80,3 +82,73 @@ def test_io_errors_are_retried(small_store, tmp_path, monkeypatch):
     w.finish()
     assert calls["n"] > 2 and w.complete
     assert np.array_equal(zarr.open_group(str(d), mode="r")["hidden"][:], h)
+
+
+def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path):
+    """A GPU worker's path: shard buffers in shared memory, shards encoded and written by writer processes."""
+    src = zarr.open_group(str(_unit_copy(small_store, tmp_path, "src")), mode="r")
+    h, last = src["hidden"][:], src["last_hidden"][:]
+    by_threads, by_procs = (_empty_unit(small_store, tmp_path, n, "zstd") for n in ("threads", "procs"))
+    w = UnitWriter(by_threads)
+    w.add(0, h, last)
+    w.finish()
+    shared = SharedBuffers(directory=tmp_path)
+    procs = ShardProcesses(2)
+    try:
+        w = UnitWriter(by_procs, threads=2, buffers=BufferPool(shared), procs=procs)
+        w.add(0, h, last)
+        w.finish()
+        assert len(list(tmp_path.glob(f"{SharedBuffers.PREFIX}*"))) >= 2  # the rows went through shared memory
+    finally:
+        procs.close()
+        shared.close()
+    assert not list(tmp_path.glob(f"{SharedBuffers.PREFIX}*")), "shared shard buffers must be deleted on close"
+    assert all(p.poll() is not None for p in procs._procs), "writer processes must exit on close"
+    for name in ("hidden", "last_hidden"):
+        files = sorted(p.relative_to(by_threads) for p in (by_threads / name / "c").rglob("*") if p.is_file())
+        assert len(files) >= 3
+        for rel in files:
+            assert (by_procs / rel).read_bytes() == (by_threads / rel).read_bytes(), rel
+    assert (by_procs / "commit.json").read_bytes() == (by_threads / "commit.json").read_bytes()
+
+
+def test_writer_process_failures_reach_the_worker(small_store, tmp_path, monkeypatch):
+    import storage.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "wait_exponential", lambda **kw: (lambda retry_state: 0))
+    h = zarr.open_group(str(_unit_copy(small_store, tmp_path, "src")), mode="r")["hidden"][:]
+    shared = SharedBuffers(directory=tmp_path)
+    procs = ShardProcesses(1)
+    try:
+        # An I/O error in the writer process comes back as the same OSError (so it is retried), naming the file.
+        d = _empty_unit(small_store, tmp_path, "blocked", "zstd")
+        shutil.rmtree(d / "hidden" / "c", ignore_errors=True)
+        (d / "hidden" / "c").write_text("a file where the shard directory should be")
+        w = UnitWriter(d, io_retries=2, buffers=BufferPool(shared), procs=procs)
+        with pytest.raises(OSError) as e:
+            w.add(0, h[:384], np.zeros((384, h.shape[2]), h.dtype))
+            w.close()
+        assert "hidden/c" in str(e.value) and "store-writer process" in "".join(getattr(e.value, "__notes__", []))
+        assert not (d / "commit.json").exists()
+        # A writer process that dies (the OOM killer) is an error that says so, not a hang.
+        procs._procs[0].kill()
+        procs._procs[0].wait()
+        w = UnitWriter(_empty_unit(small_store, tmp_path, "orphaned", "zstd"), buffers=BufferPool(shared), procs=procs)
+        with pytest.raises(RuntimeError, match="store-writer process .* died"):
+            w.add(0, h[:384], np.zeros((384, h.shape[2]), h.dtype))
+            w.close()
+    finally:
+        procs.close()
+        shared.close()
+
+
+def test_too_little_shared_memory_for_writer_processes_is_a_clear_error(tmp_path, monkeypatch, model_dir):
+    """Docker's default /dev/shm is 64 MiB. Asked for writer processes, the worker says so before loading the
+    model, with the fix, and commits nothing. (A GPU worker's 'auto' writes on threads then, with a warning.)"""
+    from helpers import extract_local
+
+    monkeypatch.setattr(SharedBuffers, "free_bytes", lambda self: 64 * 2**20)
+    with pytest.raises(StoreError, match=r"(?s)/dev/shm has 0.06 GiB free.*--shm-size.*store_writers: threads"):
+        extract_local(tmp_path, {"data.max_samples": 4, "extract.store_writers": "processes"})
+    store = Store(tmp_path / "store")
+    assert all(not store.commit_record(v, u).get("committed_tokens") for v in store.versions() for u in store.units(v))
