@@ -13,9 +13,11 @@ Per shape:
   Loading is outside every measured window, so this changes no figure.
 - synthetic prepared samples: random token ids, lengths log-normal (median 900) clipped to [200, 4096].
 - (a) _Runner.run (hooks, early stop after the highest needed layer, packing on the device) over exactly the
-  batches (b) runs, outputs dropped; (b) Store.plan_units + run_worker into a Zarr store on local disk
-  (default config: zstd, 128 MiB shards, token_budget auto); (c) batch 1, output_hidden_states=True,
-  .cpu(), torch.save per sample, on a prefix of the same samples (--naive-tokens).
+  batches (b) runs, outputs dropped, warmed by one untimed pass, with the extract.compile mode (b) resolves
+  to (and any other modes named by --a-compile); (b) Store.plan_units + run_worker into a Zarr store on
+  local disk (default config: zstd, 128 MiB shards, token_budget auto, compile auto, writer processes);
+  (c) batch 1, output_hidden_states=True, .cpu(), torch.save per sample, eager, on a prefix of the same
+  samples (--naive-tokens).
 - MFU counts the matmuls actually run (every nn.Linear of the decoder layers up to the last captured one,
   plus QK^T and PV of softmax attention, causal) against a bf16 GEMM measured in the same run. Gated
   DeltaNet's recurrence is not counted, so hybrid MFU is a slight underestimate.
@@ -43,7 +45,8 @@ import torch  # noqa: E402
 
 from common import (SHAPES, build_model, dir_bytes, log, plan_store, synthetic_samples,  # noqa: E402
                     write_manifest_checkpoint)
-from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, rss_bytes, sync  # noqa: E402
+from instruments import (Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes,  # noqa: E402
+                         sync)
 
 GIB = 2**30
 
@@ -127,24 +130,27 @@ def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
 
 def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler, threads=None) -> dict:
     """(b): run_worker into the store, end to end (model load excluded from tokens/s, as in WorkerResult)."""
-    from target.extract import default_writer_threads, run_worker
+    from target.extract import default_store_writers, run_worker
 
-    rss0 = rss_bytes()
+    rss0, pss0 = rss_bytes(), pss_bytes()
     t_call = time.monotonic()
     r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0,
-                   writer_threads=threads)
+                   writers=threads)
     t_end = time.monotonic()
     loop_wall = r.tokens / r.tokens_per_s
-    rss_peak, util = sampler.window(t_end - loop_wall, t_end)
+    rss_peak, pss_peak, util = sampler.window(t_end - loop_wall, t_end)
     vdir = Path(store.url) / version / "units"
     stored = sum(dir_bytes(p) for p in vdir.rglob("hidden")) + sum(dir_bytes(p) for p in vdir.rglob("last_hidden"))
     return {"tokens": r.tokens, "seconds": loop_wall, "tokens_per_s": r.tokens_per_s, "load_s": r.seconds - loop_wall,
             "call_s": t_end - t_call, "gpu_busy": r.gpu_busy_fraction or None, "nvml_util": util,
             "bytes_per_token": stored / r.tokens, "peak_gpu_gib": r.peak_gpu_gib, "rss_before_gib": rss0 / GIB,
             "rss_peak_gib": rss_peak / GIB, "rss_delta_gib": (rss_peak - rss0) / GIB,
-            "host_buffer_gib": r.host_buffer_gib, "writer_wait_s": r.writer_wait_s, "copy_wait_s": r.copy_wait_s,
+            "pss_with_writers_delta_gib": (pss_peak - pss0) / GIB,
+            "host_buffer_gib": r.host_buffer_gib, "writer_wait_s": r.writer_wait_s, "drain_s": r.drain_s,
+            "copy_wait_s": r.copy_wait_s,
             "forward_passes": r.forward_passes, "oom_splits": r.oom_splits,
-            "writer_threads": threads or default_writer_threads(device)}
+            "store_writers": f"{threads or default_store_writers(device, cfg.extract.store_writers)} "
+                             f"{cfg.extract.store_writers}"}
 
 
 def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
@@ -203,7 +209,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from pipeline.config import load_config
     from target import extract as extract_mod
-    from target.loader import load_planned
+    from target.loader import compile_modules, load_planned, resolve_compile
     from target.probe import probe
 
     device = args.device
@@ -232,14 +238,9 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             torch.cuda.empty_cache()
     else:
         write_manifest_checkpoint(model, ckpt)
-        if args.compile_norms:  # how much of the gap to the GEMM peak is unfused elementwise work
-            norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-            for m in norms:
-                m.forward = torch.compile(m.forward, dynamic=True)
-            res["compiled_norms"] = len(norms)
-            log(f"{shape}: torch.compile on {len(norms)} RMSNorm modules")
-    cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
-                             "extract.devices": device})
+    base = {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
+            "extract.devices": device, **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {})}
+    cfg = load_config(None, base)
     report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
     res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
     log(f"{shape}: probe: layers {report.layer_ids}, kernels {report.kernels}, dtype kwarg {report.dtype_kwarg}")
@@ -266,12 +267,25 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     lin, attn = linear_flops_per_token(model, max(report.layer_ids + ([report.num_layers - 1] if report.capture_last else [])))
     total_flops = flops([len(s) for b in batches for s in b], lin, attn)
 
-    # (a)
-    a = measure_forward(model, report, batches, device, dtype)
-    first = a.pop("first_batch")
-    a["mfu"] = total_flops / a["seconds"] / 1e12 / peak_tflops
-    res["a"] = a
-    log(f"{shape}: (a) {a['tokens_per_s']:.0f} tok/s, MFU {a['mfu']:.3f}, GPU busy {a['gpu_busy']}")
+    # (a), with the forward (b) will run (extract.compile as the pipeline resolves it), then other modes
+    b_mode = resolve_compile(cfg.extract.compile, cuda, report.layer_types)
+    modes = [b_mode] + [m for m in args.a_compile.split(",") if m and m != b_mode]
+    res["a_by_compile"] = {}
+    for mode in modes:
+        n = compile_modules(model, mode)
+        t = time.monotonic()
+        am = measure_forward(model, report, batches, device, dtype)
+        am.update(compile=mode, compiled_modules=n, warm_and_measure_s=time.monotonic() - t,
+                  mfu=total_flops / am["seconds"] / 1e12 / peak_tflops)
+        if mode == b_mode:
+            first = am.pop("first_batch")
+            a = res["a"] = am
+        else:
+            am.pop("first_batch")
+        res["a_by_compile"][mode] = am
+        log(f"{shape}: (a) compile={mode} ({n} modules): {am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, "
+            f"GPU busy {am['gpu_busy']}")
+    compile_modules(model, "off")
 
     # (c) on a prefix of the samples (original, unsorted order: the length mix)
     naive, acc = [], 0
@@ -311,9 +325,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         extract_mod.load_planned = lambda *a_, **k_: model
     for spec in variants:
         opts = dict(kv.split("=") for kv in spec.split(","))
-        vcfg = load_config(None, {"output_dir": str(work), "target.model_path": str(ckpt),
-                                  "target.dtype": dtype_name, "extract.devices": device,
-                                  **{f"extract.{k}": v for k, v in opts.items() if k not in ("threads", "switch")}})
+        vcfg = load_config(None, {**base, **{f"extract.{k}": v for k, v in opts.items()
+                                             if k not in ("threads", "switch")}})
         shutil.rmtree(work / "store", ignore_errors=True)
         vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
         vreport = dataclasses.replace(report, token_budget=int(opts.get("token_budget", report.token_budget)))
@@ -329,7 +342,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         vb["variant"] = spec
         res.setdefault("b_variants", []).append(vb)
         log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
-            f"writer wait {vb['writer_wait_s']:.2f} s, GPU busy {vb['gpu_busy']}")
+            f"writer wait {vb['writer_wait_s']:.2f} s, drain {vb['drain_s']:.2f} s, GPU busy {vb['gpu_busy']}")
 
     extract_mod.load_planned = load_planned
     res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
@@ -348,13 +361,15 @@ def main():
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tokens", type=int, default=0, help="tokens per measurement (a, b); 0: 600k for 8b, 200k for 27b")
     p.add_argument("--tokens-27b", type=int, default=0, help="overrides --tokens for 27b")
+    p.add_argument("--unit-tokens", type=int, default=0, help="extract.unit_tokens (0: the default, 1M); smaller "
+                   "values measure the hand-over between units")
     p.add_argument("--naive-tokens", type=int, default=60_000, help="tokens for (c) (a third for 27b)")
     p.add_argument("--writer-gib", type=float, default=2.5, help="raw GiB per writer-only configuration; 0 skips")
     p.add_argument("--writer-configs", default="zstd:1,zstd:2,zstd:4,zstd:8,lz4:4,none:4")
     p.add_argument("--b-variants", default="", help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4'")
     p.add_argument("--variant-shapes", default="8b,tiny-dense")
-    p.add_argument("--compile-norms", action="store_true", help="experiment: torch.compile every RMSNorm "
-                   "(fuses its elementwise kernels) before (a) and (b); needs --no-save")
+    p.add_argument("--a-compile", default="", help="also measure (a) with these extract.compile modes, e.g. "
+                   "'off,layers' ((a) always runs the mode (b) uses)")
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
     p.add_argument("--work", default="/tmp/dflash-bench")
@@ -423,9 +438,10 @@ def summary(results):
               f"b {b['tokens_per_s']:.0f} tok/s (MFU {b['mfu']:.3f}, busy {b['gpu_busy']}, nvml {b['nvml_util']}) | "
               f"c {c['tokens_per_s']:.0f} tok/s | b/a {r['b_over_a']:.3f} b/c {r['b_over_c']:.2f}")
         print(f"[{shape}] bytes/token b {b['bytes_per_token']:.0f} c {c['bytes_per_token']:.0f} | peak GPU "
-              f"{b['peak_gpu_gib']:.1f} GiB | RSS before {b['rss_before_gib']:.2f} peak {b['rss_peak_gib']:.2f} GiB "
-              f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, copy wait "
-              f"{b['copy_wait_s']:.2f} s | check {b['check_first_batch']}")
+              f"{b['peak_gpu_gib']:.1f} GiB | RSS before {b['rss_before_gib']:.2f} peak {b['rss_peak_gib']:.2f} GiB, "
+              f"PSS growth with writer processes {b['pss_with_writers_delta_gib']:.2f} GiB "
+              f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, drain "
+              f"{b['drain_s']:.2f} s, copy wait {b['copy_wait_s']:.2f} s | check {b['check_first_batch']}")
         for v in r.get("b_variants", []):
             print(f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "
                   f"writer wait {v['writer_wait_s']:.2f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -17,8 +18,40 @@ def rss_bytes() -> int:
     return 0
 
 
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            kids = [int(k) for k in open(f"/proc/{pid}/task/{tid}/children").read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k] + _descendants(k)
+    return out
+
+
+def pss_bytes() -> int:
+    """Proportional set size of this process and every process below it (the store-writer processes): each
+    shared page (the shard buffers in /dev/shm) counted once in all, unlike a sum of RSS."""
+    total = 0
+    for pid in [os.getpid()] + _descendants(os.getpid()):
+        try:
+            for line in open(f"/proc/{pid}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:  # exited meanwhile
+            pass
+    return total
+
+
 class Sampler(threading.Thread):
-    """Samples this process's RSS and (on a GPU) NVML utilization every `period` s."""
+    """Samples this process's RSS, the PSS of it and its child processes, and (on a GPU) NVML utilization
+    every `period` s."""
 
     def __init__(self, device: str, period: float = 0.1):
         super().__init__(daemon=True)
@@ -41,16 +74,18 @@ class Sampler(threading.Thread):
                     util = self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu
                 except Exception:  # noqa: BLE001
                     util = None
-            self.samples.append((time.monotonic(), rss_bytes(), util))
+            self.samples.append((time.monotonic(), rss_bytes(), pss_bytes(), util))
 
     def stop(self):
         self._halt.set()
         self.join()
 
     def window(self, t0: float, t1: float):
+        """(peak RSS, peak PSS with child processes, mean GPU utilization) between t0 and t1."""
         s = [x for x in self.samples if t0 <= x[0] <= t1]
-        util = [x[2] for x in s if x[2] is not None]
-        return (max((x[1] for x in s), default=rss_bytes()), (sum(util) / len(util) / 100) if util else None)
+        util = [x[3] for x in s if x[3] is not None]
+        return (max((x[1] for x in s), default=rss_bytes()), max((x[2] for x in s), default=pss_bytes()),
+                (sum(util) / len(util) / 100) if util else None)
 
 
 def sync(device: str):
