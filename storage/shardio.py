@@ -110,10 +110,10 @@ class SharedBuffers:
             except OSError as e:
                 path.unlink(missing_ok=True)
                 raise StoreError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {self.dir} for a store-writer "
-                                 f"shard buffer ({e.strerror}). The writer processes need about "
-                                 "(2 x writers + 3) shards of shared memory: enlarge /dev/shm (docker run "
-                                 "--shm-size=16g), lower extract.shard_mib, or set extract.store_writers: "
-                                 "threads") from e
+                                 f"shard buffer ({e.strerror}). A GPU worker's writer processes need about "
+                                 "(writers + 2) shard buffers of shared memory: enlarge /dev/shm (docker run "
+                                 "--shm-size with at least 3 GiB per GPU), lower extract.shard_mib, or set "
+                                 "extract.store_writers: threads") from e
             mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)

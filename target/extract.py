@@ -107,7 +107,7 @@ def _room_for_shared_buffers(shared: SharedBuffers, cfg: ExtractConfig, writers:
         return True
     msg = (f"{shared.dir} has {free / GIB:.2f} GiB free; {writers} store-writer processes need about "
            f"{need / GIB:.1f} GiB for their shard buffers ({writers + 2} x extract.shard_mib {cfg.shard_mib:g} MiB)")
-    fix = "enlarge it (docker run --shm-size=8g) or lower extract.shard_mib"
+    fix = "enlarge it (docker run --shm-size with at least this much per GPU) or lower extract.shard_mib"
     if cfg.store_writers == "processes":
         raise StoreError(f"{msg}: {fix}, or set extract.store_writers: threads")
     log.warning("%s; writing shards on threads of the worker instead (%s to use processes)", msg, fix)
