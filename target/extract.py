@@ -33,7 +33,7 @@ from storage.shardio import SharedBuffers, ShardProcesses
 from storage.writer import BufferPool, UnitWriter
 from target.batching import plan_batches
 from target.capture import LayerCapture
-from target.loader import compile_modules, load_planned, resolve_compile
+from target.loader import forward_or_eager, load_compiled
 from target.placement import input_device, replica_devices
 from target.probe import ProbeReport
 
@@ -77,8 +77,6 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _is_compile_error(e: BaseException) -> bool:
-    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def uses_writer_processes(store_writers: str, device: str) -> bool:
@@ -143,14 +141,11 @@ def gil_switch_interval(seconds: float | None) -> Iterator[None]:
 
 
 class _Runner:
-    """Runs batches with out-of-memory backoff: a batch that does not fit is split in halves."""
+    """Runs batches with out-of-memory backoff: a batch that does not fit is split in halves. If parts of the
+    model are compiled (extract.compile) and compiling fails, it goes on with the eager forward."""
 
-    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype,
-                 compiled: bool = False):
-        """`compiled`: parts of the model run through torch.compile (target.loader.compile_modules); if
-        compiling fails, the runner goes back to the eager forward, with a warning."""
+    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype):
         self.capture, self.device, self.pad_id, self.dtype = capture, device, pad_id, dtype
-        self.compiled = compiled
         self.cuda = device.startswith("cuda")
         self.forward_passes = 0
         self.oom_splits = 0
@@ -160,15 +155,8 @@ class _Runner:
         """Packed rows for `seqs` (padding stripped, in order), on the device, in the storage dtype:
         hidden [N, K, H], last [N, H] or None. On a GPU they may still be being computed."""
         try:
-            return self._forward(seqs)
+            return forward_or_eager(self.capture.model, lambda: self._forward(seqs))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            if self.compiled and _is_compile_error(e):
-                log.warning("torch.compile failed on %s (%s: %s); continuing with the eager forward (set "
-                            "extract.compile: off to skip the attempt)", self.device, type(e).__name__,
-                            str(e).splitlines()[0] if str(e) else "")
-                compile_modules(self.capture.model, "off")
-                self.compiled = False
-                return self.run(seqs)
             if not _is_oom(e):
                 raise
             if len(seqs) == 1:
@@ -340,14 +328,12 @@ def _extract(stack: ExitStack, store: Store, version: str, todo: list[str], repo
     # The shard buffers (pinned: page-locking ~2 GiB takes about a second) are made while the model loads.
     prefill = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="shard-buffers"))
     buffers_made = prefill.submit(writer_for(todo[0]).reserve_buffers)
-    model = load_planned(report, device, attn_implementation)
-    mode = resolve_compile(cfg.compile, bool(gpus), report.layer_types, split=len(gpus) > 1)
-    compiled = compile_modules(model, mode)
+    model, mode, compiled = load_compiled(report, device, cfg.compile, attn_implementation)
     if compiled:
         log.info("%s: torch.compile on %d modules (extract.compile=%s: %s); the first batches compile them",
                  device, compiled, cfg.compile, mode)
     runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), first, pad_id,
-                     DTYPES[store_dtype][1], compiled=bool(compiled))
+                     DTYPES[store_dtype][1])
     buffers_made.result()  # re-raises, e.g. too little shared memory
     for g in gpus:
         torch.cuda.reset_peak_memory_stats(g)

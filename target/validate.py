@@ -3,8 +3,9 @@
 Checks: completeness (every prepared sample exactly once, every unit committed), metadata (shapes,
 dtypes), stored input_ids equal the prepared ones, every value finite, no all-zero or constant token
 rows, per-layer statistics within sane bounds, readable chunks (CRC32C), and N samples recomputed at
-batch size 1 through HF's own `output_hidden_states` (independent of our hooks). Data is scanned one
-shard at a time, so memory stays bounded by one shard.
+batch size 1 through HF's own `output_hidden_states` (independent of our hooks), by the forward extraction
+ran (the caller loads it with extract.compile applied). Data is scanned one shard at a time, so memory
+stays bounded by one shard.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pipeline.config import ValidateConfig
 from pipeline.errors import ValidationFailed
 from storage.layout import DTYPES, from_storage
 from storage.store import Store
+from target.loader import forward_or_eager
 
 log = logging.getLogger(__name__)
 # Relative L2 error allowed between stored and recomputed states (batched vs batch-1 kernels differ).
@@ -218,7 +220,7 @@ def _recompute(store, version, attrs, where, cfg, model, device, report) -> None
         g = store.open_unit(version, u)
         ids = torch.from_numpy(g["input_ids"][start : start + length].astype(np.int64))[None].to(device)
         stored = from_storage(g["hidden"][start : start + length], logical).float()
-        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        out = forward_or_eager(model, lambda: model(input_ids=ids, output_hidden_states=True, use_cache=False))
         errs = []
         for j, lid in enumerate(k_ids):
             ref = out.hidden_states[lid + 1][0].float().cpu()

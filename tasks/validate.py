@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from dataprep.prepare import PrepareResult
 from pipeline.config import RunConfig
 from storage.store import Store
-from target.loader import load_planned
+from target.loader import load_compiled
 from target.placement import input_device
 from target.probe import ProbeReport
 from target.validate import ValidationReport, raise_if_failed, validate_store
@@ -24,8 +24,8 @@ def validate_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, 
     device = report.replicas[0]  # one GPU, or the GPUs of a split replica
     store = Store(cfg.store, cfg.store_options)
     model = None
-    if cfg.validate_.recompute_samples:
-        model = load_planned(report, device, cfg.target.attn_implementation)
+    if cfg.validate_.recompute_samples:  # the forward extraction ran (extract.compile), on the same devices
+        model, _, _ = load_compiled(report, device, cfg.extract.compile, cfg.target.attn_implementation)
     result = validate_store(store, version, prepared, cfg.validate_, model=model,
                              device=input_device(device))
     store.loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict(), indent=1).encode())

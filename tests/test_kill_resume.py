@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from helpers import KILL_OVERRIDES, assert_same_store, forward_passes, run_extract_proc, snapshot
 from storage.reader import HiddenStateDataset
-from storage.shardio import SharedBuffers
 from storage.store import Store
 
 
-@pytest.mark.parametrize("kill_at,writers", [("forward:3", "threads"), ("after_shard_write:3", "threads"),
-                                             ("during_commit:2", "threads"), ("after_shard_write:3", "processes")])
-def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kill_at, writers):
-    """`writers`: where shards are written (a GPU worker's default is processes, fed through shared memory)."""
+@pytest.mark.parametrize("kill_at", ["forward:3", "after_shard_write:3", "during_commit:2"])
+def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kill_at):
+    """(With writer processes, a GPU worker's default: tests/test_object_store.py.)"""
     clean = clean_extraction
     assert clean.plan.n_units >= 2
-    overrides = {**KILL_OVERRIDES, "extract.store_writers": writers}
-    shm_before = set(SharedBuffers(directory=Path("/dev/shm")).dir.glob(f"{SharedBuffers.PREFIX}*"))
-    killed = run_extract_proc(tmp_path, overrides, kill_at)
+    killed = run_extract_proc(tmp_path, KILL_OVERRIDES, kill_at)
     assert killed.returncode == -9, killed.stderr[-2000:]
     store = Store(tmp_path / "store")
     version = store.versions()[0]
@@ -28,13 +22,11 @@ def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kil
     if kill_at == "during_commit:2":  # the temp file of the interrupted commit is still there
         assert list((tmp_path / "store").rglob("*.partial"))
 
-    resumed = run_extract_proc(tmp_path, overrides)
+    resumed = run_extract_proc(tmp_path, KILL_OVERRIDES)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     if not kill_at.startswith("forward"):  # shards had been committed: resumed from there, not restarted
         assert committed_before > 0 and forward_passes(resumed) < clean.result.forward_passes
     assert not list((tmp_path / "store").rglob("*.partial"))  # orphans cleaned
-    # the killed worker's shared shard buffers were removed by the rerun, and the rerun removed its own
-    assert set(SharedBuffers(directory=Path("/dev/shm")).dir.glob(f"{SharedBuffers.PREFIX}*")) <= shm_before
 
     assert_same_store(snapshot(Store(clean.store), clean.plan.version), snapshot(store, version))
     ids = [s.sample_id for s in HiddenStateDataset(tmp_path / "store", version).samples]

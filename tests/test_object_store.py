@@ -18,6 +18,7 @@ from helpers import KILL_OVERRIDES, assert_same_store, extract_local, run_extrac
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, StoreError
 from storage.reader import HiddenStateDataset
+from storage.shardio import SharedBuffers
 from storage.store import Store
 
 BUCKET = "dflash"
@@ -124,7 +125,10 @@ def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp
         return sum(store.commit_record(v, u)["committed_tokens"] for u in store.units(v))
 
     procs = {**overrides, "extract.store_writers": "processes"}  # shards PUT by writer processes (a GPU's way)
+    shm = SharedBuffers().dir
+    shm_before = set(shm.glob(f"{SharedBuffers.PREFIX}*"))
     first = run_extract_proc(tmp_path, procs, "after_shard_write:3")
+    assert set(shm.glob(f"{SharedBuffers.PREFIX}*")) > shm_before  # the killed worker's shared shard buffers
     assert first.returncode == -9, first.stderr[-2000:]
     after_first = committed()
     assert after_first > 0
@@ -137,6 +141,8 @@ def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp
     assert_same_store(snapshot(Store(clean_extraction.store), clean_extraction.plan.version),
                       snapshot(store, store.versions()[0]))
     assert len({s.sample_id for s in HiddenStateDataset(s3.url("killed"), store_options=s3.options).samples}) == 40
+    # the rerun removed the killed worker's shared buffers, and its own when it ended
+    assert set(shm.glob(f"{SharedBuffers.PREFIX}*")) <= shm_before
 
 
 def test_versions_snapshot_current_and_prune_on_s3(s3, tmp_path, model_dir):
