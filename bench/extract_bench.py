@@ -208,7 +208,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from pipeline.config import load_config
-    from target import extract as extract_mod
+    from target import loader as loader_mod
     from target.loader import compile_modules, load_planned, resolve_compile
     from target.probe import probe
 
@@ -309,7 +309,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     else:
-        extract_mod.load_planned = lambda *a_, **k_: model  # the model already on the GPU (see the docstring)
+        loader_mod.load_planned = lambda *a_, **k_: model  # the model already on the GPU (see the docstring)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
@@ -322,7 +322,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     variants = [v for v in args.b_variants.split(";") if v] if shape in args.variant_shapes.split(",") else []
     if variants and save:
         model = load_planned(report, device)
-        extract_mod.load_planned = lambda *a_, **k_: model
+        loader_mod.load_planned = lambda *a_, **k_: model
     for spec in variants:
         opts = dict(kv.split("=") for kv in spec.split(","))
         vcfg = load_config(None, {**base, **{f"extract.{k}": v for k, v in opts.items()
@@ -344,7 +344,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
             f"writer wait {vb['writer_wait_s']:.2f} s, drain {vb['drain_s']:.2f} s, GPU busy {vb['gpu_busy']}")
 
-    extract_mod.load_planned = load_planned
+    loader_mod.load_planned = load_planned
     res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
     res["b_over_c"] = b["tokens_per_s"] / c["tokens_per_s"]
     model = None
