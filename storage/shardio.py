@@ -1,9 +1,10 @@
 """Store-writer processes: shards are compressed and written outside the process that feeds the GPU.
 
-Why processes: a GPU worker's main thread launches each forward's ~1,000 kernels, and with the writer on
-threads of the same process it queued for the GIL behind them between every compression call; on one H200
-that left the GPU idle 7-14% of the time (bench/RESULTS.md). Here the GPU worker only copies rows into
-shard buffers; separate processes, each with its own interpreter, compress and write whole shards.
+Why processes: a GPU worker's main thread launches each forward's kernels, and with the writer on threads
+of the same process it queues for the GIL behind them between compression calls (one H200, 8B shape with
+the RMSNorms compiled: 31.7k tokens/s on threads, 34.1k with processes; bench/RESULTS.md run 11). Here the
+GPU worker only copies rows into shard buffers; separate processes, each with its own interpreter, compress
+and write whole shards.
 
 - SharedBuffers allocates shard buffers as files in shared memory (/dev/shm), mapped by the worker and by
   the writer processes. A GPU worker registers them with CUDA (`pin`), so device-to-host copies land in
