@@ -130,8 +130,9 @@ def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
 
 def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler, threads=None) -> dict:
     """(b): run_worker into the store, end to end (model load excluded from tokens/s, as in WorkerResult)."""
-    from target.extract import default_store_writers, run_worker
+    from target.extract import default_store_writers, run_worker, uses_writer_processes
 
+    procs = uses_writer_processes(cfg.extract.store_writers, device)
     rss0, pss0 = rss_bytes(), pss_bytes()
     t_call = time.monotonic()
     r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0,
@@ -149,8 +150,7 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
             "host_buffer_gib": r.host_buffer_gib, "writer_wait_s": r.writer_wait_s, "drain_s": r.drain_s,
             "copy_wait_s": r.copy_wait_s,
             "forward_passes": r.forward_passes, "oom_splits": r.oom_splits,
-            "store_writers": f"{threads or default_store_writers(device, cfg.extract.store_writers)} "
-                             f"{cfg.extract.store_writers}"}
+            "store_writers": f"{threads or default_store_writers(device, procs)} {cfg.extract.store_writers}"}
 
 
 def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:

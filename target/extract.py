@@ -77,13 +77,11 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-
-
 def uses_writer_processes(store_writers: str, device: str) -> bool:
     return store_writers == "processes" or (store_writers == "auto" and device.startswith("cuda"))
 
 
-def default_store_writers(device: str, store_writers: str = "auto") -> int:
+def default_store_writers(device: str, processes: bool) -> int:
     """Shards written at once per worker. A CPU worker produces a few MB/s: one keeps commits strictly in
     order, as the kill tests expect. A GPU worker produces up to ~1.6 GB/s of bf16, and zstd compresses
     ~0.2-0.3 GB/s per core: writer processes on all but two of the host's cores per GPU (one feeds the GPU),
@@ -92,7 +90,7 @@ def default_store_writers(device: str, store_writers: str = "auto") -> int:
     if not device.startswith("cuda"):
         return 1
     per_gpu = (os.cpu_count() or 4) // max(1, torch.cuda.device_count())
-    if uses_writer_processes(store_writers, device):
+    if processes:
         return max(2, min(14, per_gpu - 2))
     return max(2, min(12, per_gpu * 3 // 4))
 
@@ -284,7 +282,7 @@ def run_worker(
     writers: int | None = None,
     store_options: dict | None = None,
 ) -> WorkerResult:
-    """`writers` overrides default_store_writers(device) (benchmarks compare settings);
+    """`writers` overrides default_store_writers (benchmarks compare settings);
     `store_options`: the non-secret options of an s3:// store (RunConfig.store_options)."""
     store = Store(store_root, store_options)
     result = WorkerResult(device=device, units=list(units))
@@ -306,13 +304,13 @@ def _extract(stack: ExitStack, store: Store, version: str, todo: list[str], repo
     first = input_device(device)
     procs = shared = None
     if uses_writer_processes(cfg.store_writers, device):
-        n = writers or default_store_writers(device, "processes")
+        n = writers or default_store_writers(device, processes=True)
         shared = stack.enter_context(closing(SharedBuffers(_pin_host if gpus else None)))
         if _room_for_shared_buffers(shared, cfg, n):
             procs = stack.enter_context(closing(ShardProcesses(n)))  # they start while the model loads
         else:
             shared = None
-    writers = len(procs) if procs else writers or default_store_writers(device, "threads")
+    writers = len(procs) if procs else writers or default_store_writers(device, processes=False)
     if gpus:
         torch.cuda.set_device(first)  # CUDA events and streams below belong to the replica's first GPU
     to_writer = _ToWriter(first, shared, writers)
