@@ -11,11 +11,20 @@ $(BIN)/dflash-pipeline: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test
+.PHONY: install run test unit lint
 install: $(BIN)/dflash-pipeline
 
 run: install
 	$(BIN)/dflash-pipeline run --config configs/embedded.yaml $(ARGS)
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Everything: lint, then the unit, integration and e2e layers.
+test: lint
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# The fast layer (pure functions, seconds): what to run while working.
+unit: install
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)

@@ -18,22 +18,64 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 SHAPES = {
-    "8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
-    "27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]),
-    "tiny-dense": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       tie_word_embeddings=False),
-    "tiny-hybrid": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]),
+    "8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
+    "27b": dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)],
+    ),
+    "tiny-dense": dict(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+    "tiny-hybrid": dict(
+        model_type="qwen3_5_text",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
+    ),
 }
 
 
@@ -98,18 +140,27 @@ def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
 
 
 def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
-    from storage.layout import FORMAT_VERSION, LAYER_CONVENTION
-    from storage.store import Store
-    from target.modelfiles import config_hash, weights_fingerprint
+    from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
+    from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+    from dflash_pipeline.storage.store import Store
 
     # The identity and provenance keys of target/plan.py:provenance (which needs the prepared dataset's
     # `datasets` directory; this bench has in-memory samples instead).
-    prov = {"format_version": FORMAT_VERSION, "model_path": report.model_path, "model_type": report.model_type,
-            "model_config_hash": config_hash(report.model_path),
-            "weights_fingerprint": weights_fingerprint(report.model_path), "num_layers": report.num_layers,
-            "hidden_size": report.hidden_size, "layer_types": report.layer_types, "layer_ids": report.layer_ids,
-            "layer_convention": LAYER_CONVENTION, "capture_last": report.capture_last, "logical_dtype": dtype_name,
-            "compute_dtype": report.compute_dtype}
+    prov = {
+        "format_version": FORMAT_VERSION,
+        "model_path": report.model_path,
+        "model_type": report.model_type,
+        "model_config_hash": config_hash(report.model_path),
+        "weights_fingerprint": weights_fingerprint(report.model_path),
+        "num_layers": report.num_layers,
+        "hidden_size": report.hidden_size,
+        "layer_types": report.layer_types,
+        "layer_ids": report.layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "capture_last": report.capture_last,
+        "logical_dtype": dtype_name,
+        "compute_dtype": report.compute_dtype,
+    }
     store = Store(root)
     version = store.resolve_version(prov, "bench-dataset", new_version=True, incremental=False)
     x = cfg.extract
@@ -117,11 +168,9 @@ def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: st
     def fetch(rows):
         return [ids[i] for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
 
-    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib,
-                            x.compression)
+    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression)
     return store, version, [u.name for u in plan.pending_units]
 
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-

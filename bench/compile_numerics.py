@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from target.loader import compile_modules  # noqa: E402
-from target.validate import TOLERANCE  # noqa: E402
+from dflash_pipeline.extraction.loader import compile_modules  # noqa: E402
+from dflash_pipeline.extraction.validate import TOLERANCE  # noqa: E402
 
 
 def main() -> None:
@@ -32,9 +32,17 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("qwen3", vocab_size=2048, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-                               num_key_value_heads=max(1, args.hidden // 256), head_dim=128, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=2048,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(args.device).eval()
     ids = torch.randint(10, 2000, (1, args.tokens), device=args.device)
 
@@ -60,8 +68,10 @@ def main() -> None:
     print(f"relative L2 error against the eager batch-1 forward (validation's bf16 tolerance: {TOLERANCE['bfloat16']})")
     print("layer | compile=layers | compile=norms | eager, padded into a batch")
     for i in sorted({1, args.layers // 4, args.layers // 2, 3 * args.layers // 4, args.layers - 3, args.layers}):
-        print(f"{i} | {rel(runs['layers'][i][0], eager[i][0]):.2e} | {rel(runs['norms'][i][0], eager[i][0]):.2e} | "
-              f"{rel(padded[i][0, :args.tokens], eager[i][0]):.2e}")
+        print(
+            f"{i} | {rel(runs['layers'][i][0], eager[i][0]):.2e} | {rel(runs['norms'][i][0], eager[i][0]):.2e} | "
+            f"{rel(padded[i][0, : args.tokens], eager[i][0]):.2e}"
+        )
 
 
 if __name__ == "__main__":

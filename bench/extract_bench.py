@@ -42,11 +42,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from common import (SHAPES, build_model, dir_bytes, log, plan_store, synthetic_samples,  # noqa: E402
-                    write_manifest_checkpoint)
-from instruments import (Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes,  # noqa: E402
-                         sync)
+from common import SHAPES, build_model, dir_bytes, log, plan_store, synthetic_samples, write_manifest_checkpoint  # noqa: E402
+from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes, sync  # noqa: E402
 
 GIB = 2**30
 
@@ -61,7 +58,7 @@ def small_scale(shape: str) -> bool:
 def unit_batches(store, version, units, budget):
     """(unit, [lengths of each batch's samples], token arrays) exactly as run_worker batches them."""
 
-    from target.batching import plan_batches
+    from dflash_pipeline.extraction.batching import plan_batches
 
     out = []
     for u in units:
@@ -69,16 +66,17 @@ def unit_batches(store, version, units, budget):
         ids = store.open_unit(version, u)["input_ids"][:]
         lengths = [s[2] for s in samples]
         for a, b in plan_batches(lengths, budget):
-            out.append([ids[samples[i][1]: samples[i][1] + samples[i][2]] for i in range(a, b)])
+            out.append([ids[samples[i][1] : samples[i][1] + samples[i][2]] for i in range(a, b)])
     return out
 
 
 # ---- the three measurements --------------------------------------------------------------------------
 
+
 def measure_forward(model, report, batches, device, dtype, warm: bool = True) -> dict:
     """(a): the pipeline's own forward (_Runner: pinned inputs, hooks, early stop, packing), outputs dropped."""
-    from target.capture import LayerCapture
-    from target.extract import _Runner
+    from dflash_pipeline.extraction.capture import LayerCapture
+    from dflash_pipeline.extraction.extract import _Runner
 
     capture = LayerCapture(model, report.layer_ids, report.capture_last)
     if warm:
@@ -101,8 +99,13 @@ def measure_forward(model, report, batches, device, dtype, warm: bool = True) ->
     first = first.to("cpu")
     toks = sum(len(s) for b in batches for s in b)
     gpu = runner.gpu_seconds()
-    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "gpu_busy": gpu / wall if gpu else None,
-            "first_batch": first}
+    return {
+        "tokens": toks,
+        "seconds": wall,
+        "tokens_per_s": toks / wall,
+        "gpu_busy": gpu / wall if gpu else None,
+        "first_batch": first,
+    }
 
 
 def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
@@ -124,55 +127,71 @@ def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
         one(i, s)
     wall = time.monotonic() - t0
     toks = sum(len(s) for s in samples)
-    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall,
-            "bytes_per_token": dir_bytes(out_dir) / toks}
+    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "bytes_per_token": dir_bytes(out_dir) / toks}
 
 
 def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler, threads=None) -> dict:
     """(b): run_worker into the store, end to end (model load excluded from tokens/s, as in WorkerResult)."""
-    from target.extract import default_store_writers, run_worker, uses_writer_processes
+    from dflash_pipeline.extraction.extract import default_store_writers, run_worker, uses_writer_processes
 
     procs = uses_writer_processes(cfg.extract.store_writers, device)
     rss0, pss0 = rss_bytes(), pss_bytes()
     t_call = time.monotonic()
-    r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0,
-                   writers=threads)
+    r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0, writers=threads)
     t_end = time.monotonic()
     loop_wall = r.tokens / r.tokens_per_s
     rss_peak, pss_peak, util = sampler.window(t_end - loop_wall, t_end)
     vdir = Path(store.url) / version / "units"
     stored = sum(dir_bytes(p) for p in vdir.rglob("hidden")) + sum(dir_bytes(p) for p in vdir.rglob("last_hidden"))
-    return {"tokens": r.tokens, "seconds": loop_wall, "tokens_per_s": r.tokens_per_s, "load_s": r.seconds - loop_wall,
-            "call_s": t_end - t_call, "gpu_busy": r.gpu_busy_fraction or None, "nvml_util": util,
-            "bytes_per_token": stored / r.tokens, "peak_gpu_gib": r.peak_gpu_gib, "rss_before_gib": rss0 / GIB,
-            "rss_peak_gib": rss_peak / GIB, "rss_delta_gib": (rss_peak - rss0) / GIB,
-            "pss_with_writers_delta_gib": (pss_peak - pss0) / GIB,
-            "host_buffer_gib": r.host_buffer_gib, "writer_wait_s": r.writer_wait_s, "drain_s": r.drain_s,
-            "copy_wait_s": r.copy_wait_s,
-            "forward_passes": r.forward_passes, "oom_splits": r.oom_splits,
-            "store_writers": f"{threads or default_store_writers(device, procs)} {cfg.extract.store_writers}"}
+    return {
+        "tokens": r.tokens,
+        "seconds": loop_wall,
+        "tokens_per_s": r.tokens_per_s,
+        "load_s": r.seconds - loop_wall,
+        "call_s": t_end - t_call,
+        "gpu_busy": r.gpu_busy_fraction or None,
+        "nvml_util": util,
+        "bytes_per_token": stored / r.tokens,
+        "peak_gpu_gib": r.peak_gpu_gib,
+        "rss_before_gib": rss0 / GIB,
+        "rss_peak_gib": rss_peak / GIB,
+        "rss_delta_gib": (rss_peak - rss0) / GIB,
+        "pss_with_writers_delta_gib": (pss_peak - pss0) / GIB,
+        "host_buffer_gib": r.host_buffer_gib,
+        "writer_wait_s": r.writer_wait_s,
+        "drain_s": r.drain_s,
+        "copy_wait_s": r.copy_wait_s,
+        "forward_passes": r.forward_passes,
+        "oom_splits": r.oom_splits,
+        "store_writers": f"{threads or default_store_writers(device, procs)} {cfg.extract.store_writers}",
+    }
 
 
 def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
     """The first batch of (b), read back from the store, against (a)'s: same batch, same kernels."""
-    from storage.layout import from_storage
+    from dflash_pipeline.storage.layout import from_storage
 
     g = store.open_unit(version, unit)
     got = from_storage(g["hidden"][: first.shape[0]], dtype_name)
     ref = first.to(got.dtype)
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    return {"bit_equal": bool(torch.equal(got, ref)), "rel_err": rel, "finite": bool(torch.isfinite(got).all()),
-            "zero_rows": int((got.float().abs().amax(dim=(1, 2)) == 0).sum())}
+    return {
+        "bit_equal": bool(torch.equal(got, ref)),
+        "rel_err": rel,
+        "finite": bool(torch.isfinite(got).all()),
+        "zero_rows": int((got.float().abs().amax(dim=(1, 2)) == 0).sum()),
+    }
 
 
 # ---- writer alone ------------------------------------------------------------------------------------
 
+
 def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tuple[str, int]]) -> list[dict]:
     """Store-writer throughput without a GPU: bf16 rows of random normal values (compress like hidden
     states: ratio ~1.45 with zstd), fed through UnitWriter.add in 16k-token batches."""
-    from pipeline.config import ExtractConfig
-    from storage.store import Store
-    from storage.writer import UnitWriter
+    from dflash_pipeline.config import ExtractConfig
+    from dflash_pipeline.storage.store import Store
+    from dflash_pipeline.storage.writer import UnitWriter
 
     batch = 16384 if total_gib >= 1 else 512
     src = torch.randn(batch, k, h).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -182,11 +201,29 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
         root = work / f"writer_{codec}_{threads}"
         x = ExtractConfig(compression=codec)
         store = Store(root)
-        v = store.resolve_version({"format_version": 1, "layer_ids": list(range(k)), "hidden_size": h,
-                                   "logical_dtype": "bfloat16", "capture_last": False}, "w", True, False)
+        v = store.resolve_version(
+            {
+                "format_version": 1,
+                "layer_ids": list(range(k)),
+                "hidden_size": h,
+                "logical_dtype": "bfloat16",
+                "capture_last": False,
+            },
+            "w",
+            True,
+            False,
+        )
         ids = [np.zeros(n_tokens, np.int32)]
-        plan = store.plan_units(v, ["x"], [n_tokens], lambda rows: (ids, [np.ones(n_tokens, np.uint8)]),
-                                n_tokens, x.chunk_mib, x.shard_mib, codec)
+        plan = store.plan_units(
+            v,
+            ["x"],
+            [n_tokens],
+            lambda rows, ids=ids: (ids, [np.ones(n_tokens, np.uint8)]),
+            n_tokens,
+            x.chunk_mib,
+            x.shard_mib,
+            codec,
+        )
         w = UnitWriter(store.unit_location(v, plan.new_units[0].name), threads=threads)
         t0 = time.monotonic()
         for s in range(0, n_tokens, batch):
@@ -196,8 +233,15 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
         dt = time.monotonic() - t0
         raw = n_tokens * k * h * 2
         disk = dir_bytes(Path(store.url) / v / "units" / plan.new_units[0].name / "hidden")
-        row = {"codec": codec, "threads": threads, "raw_GB_per_s": raw / dt / 1e9, "ratio": raw / disk,
-               "tokens_per_s_8b_rows": n_tokens / dt, "producer_blocked_s": w.blocked_s, "seconds": dt}
+        row = {
+            "codec": codec,
+            "threads": threads,
+            "raw_GB_per_s": raw / dt / 1e9,
+            "ratio": raw / disk,
+            "tokens_per_s_8b_rows": n_tokens / dt,
+            "producer_blocked_s": w.blocked_s,
+            "seconds": dt,
+        }
         log("writer", row)
         out.append(row)
         shutil.rmtree(root)
@@ -206,11 +250,12 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 
 # ---- driver ------------------------------------------------------------------------------------------
 
+
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
-    from pipeline.config import load_config
-    from target import loader as loader_mod
-    from target.loader import compile_modules, load_planned, resolve_compile
-    from target.probe import probe
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction import loader as loader_mod
+    from dflash_pipeline.extraction.loader import compile_modules, load_planned, resolve_compile
+    from dflash_pipeline.extraction.probe import probe
 
     device = args.device
     cuda = device.startswith("cuda")
@@ -225,8 +270,10 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
 
     t = time.monotonic()
     model = build_model(shape, device, dtype)
-    log(f"{shape}: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params on {device} "
-        f"in {time.monotonic() - t:.1f} s")
+    log(
+        f"{shape}: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params on {device} "
+        f"in {time.monotonic() - t:.1f} s"
+    )
     if save:
         t = time.monotonic()
         model.save_pretrained(ckpt)
@@ -238,8 +285,13 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             torch.cuda.empty_cache()
     else:
         write_manifest_checkpoint(model, ckpt)
-    base = {"output_dir": str(work), "target.model_path": str(ckpt), "target.dtype": dtype_name,
-            "extract.devices": device, **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {})}
+    base = {
+        "output_dir": str(work),
+        "target.model_path": str(ckpt),
+        "target.dtype": dtype_name,
+        "extract.devices": device,
+        **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {}),
+    }
     cfg = load_config(None, base)
     report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
     res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
@@ -253,8 +305,14 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         log(f"{shape}: only {room / GIB:.0f} GiB of disk left: {n_tokens} tokens")
     naive_tokens = args.naive_tokens // (3 if shape == "27b" else 1)
     sample_ids, lengths, ids = synthetic_samples(n_tokens, SHAPES[shape]["vocab_size"])
-    res["data"] = {"samples": len(lengths), "tokens": sum(lengths), "mean_len": float(np.mean(lengths)),
-                   "p50": int(np.median(lengths)), "p90": int(np.percentile(lengths, 90)), "max": max(lengths)}
+    res["data"] = {
+        "samples": len(lengths),
+        "tokens": sum(lengths),
+        "mean_len": float(np.mean(lengths)),
+        "p50": int(np.median(lengths)),
+        "p90": int(np.percentile(lengths, 90)),
+        "max": max(lengths),
+    }
     store, version, units = plan_store(work / "store", report, cfg, sample_ids, lengths, ids, dtype_name)
     batches = unit_batches(store, version, units, report.token_budget)
     log(f"{shape}: {res['data']}, {len(units)} unit(s), {len(batches)} batches")
@@ -264,7 +322,9 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         model = load_planned(report, device)
         res["load_s"] = time.monotonic() - t
         log(f"{shape}: loaded through target.loader in {res['load_s']:.1f} s")
-    lin, attn = linear_flops_per_token(model, max(report.layer_ids + ([report.num_layers - 1] if report.capture_last else [])))
+    lin, attn = linear_flops_per_token(
+        model, max(report.layer_ids + ([report.num_layers - 1] if report.capture_last else []))
+    )
     total_flops = flops([len(s) for b in batches for s in b], lin, attn)
 
     # (a), with the forward (b) will run (extract.compile as the pipeline resolves it), then other modes
@@ -275,16 +335,22 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         n = compile_modules(model, mode)
         t = time.monotonic()
         am = measure_forward(model, report, batches, device, dtype)
-        am.update(compile=mode, compiled_modules=n, warm_and_measure_s=time.monotonic() - t,
-                  mfu=total_flops / am["seconds"] / 1e12 / peak_tflops)
+        am.update(
+            compile=mode,
+            compiled_modules=n,
+            warm_and_measure_s=time.monotonic() - t,
+            mfu=total_flops / am["seconds"] / 1e12 / peak_tflops,
+        )
         if mode == b_mode:
             first = am.pop("first_batch")
             a = res["a"] = am
         else:
             am.pop("first_batch")
         res["a_by_compile"][mode] = am
-        log(f"{shape}: (a) compile={mode} ({n} modules): {am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, "
-            f"GPU busy {am['gpu_busy']}")
+        log(
+            f"{shape}: (a) compile={mode} ({n} modules): {am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, "
+            f"GPU busy {am['gpu_busy']}"
+        )
     compile_modules(model, "off")
 
     # (c) on a prefix of the samples (original, unsorted order: the length mix)
@@ -325,8 +391,9 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         loader_mod.load_planned = lambda *a_, **k_: model
     for spec in variants:
         opts = dict(kv.split("=") for kv in spec.split(","))
-        vcfg = load_config(None, {**base, **{f"extract.{k}": v for k, v in opts.items()
-                                             if k not in ("threads", "switch")}})
+        vcfg = load_config(
+            None, {**base, **{f"extract.{k}": v for k, v in opts.items() if k not in ("threads", "switch")}}
+        )
         shutil.rmtree(work / "store", ignore_errors=True)
         vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
         vreport = dataclasses.replace(report, token_budget=int(opts.get("token_budget", report.token_budget)))
@@ -335,14 +402,25 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         old_switch = sys.getswitchinterval()
         sys.setswitchinterval(float(opts.get("switch", old_switch)))
         try:
-            vb = measure_pipeline(vstore, vversion, vunits, vreport, vcfg, device, dtype_name, sampler,
-                                  threads=int(opts["threads"]) if "threads" in opts else None)
+            vb = measure_pipeline(
+                vstore,
+                vversion,
+                vunits,
+                vreport,
+                vcfg,
+                device,
+                dtype_name,
+                sampler,
+                threads=int(opts["threads"]) if "threads" in opts else None,
+            )
         finally:
             sys.setswitchinterval(old_switch)
         vb["variant"] = spec
         res.setdefault("b_variants", []).append(vb)
-        log(f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
-            f"writer wait {vb['writer_wait_s']:.2f} s, drain {vb['drain_s']:.2f} s, GPU busy {vb['gpu_busy']}")
+        log(
+            f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
+            f"writer wait {vb['writer_wait_s']:.2f} s, drain {vb['drain_s']:.2f} s, GPU busy {vb['gpu_busy']}"
+        )
 
     loader_mod.load_planned = load_planned
     res["b_over_a"] = b["tokens_per_s"] / a["tokens_per_s"]
@@ -361,15 +439,22 @@ def main():
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tokens", type=int, default=0, help="tokens per measurement (a, b); 0: 600k for 8b, 200k for 27b")
     p.add_argument("--tokens-27b", type=int, default=0, help="overrides --tokens for 27b")
-    p.add_argument("--unit-tokens", type=int, default=0, help="extract.unit_tokens (0: the default, 1M); smaller "
-                   "values measure the hand-over between units")
+    p.add_argument(
+        "--unit-tokens",
+        type=int,
+        default=0,
+        help="extract.unit_tokens (0: the default, 1M); smaller values measure the hand-over between units",
+    )
     p.add_argument("--naive-tokens", type=int, default=60_000, help="tokens for (c) (a third for 27b)")
     p.add_argument("--writer-gib", type=float, default=2.5, help="raw GiB per writer-only configuration; 0 skips")
     p.add_argument("--writer-configs", default="zstd:1,zstd:2,zstd:4,zstd:8,lz4:4,none:4")
     p.add_argument("--b-variants", default="", help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4'")
     p.add_argument("--variant-shapes", default="8b,tiny-dense")
-    p.add_argument("--a-compile", default="", help="also measure (a) with these extract.compile modes, e.g. "
-                   "'off,layers' ((a) always runs the mode (b) uses)")
+    p.add_argument(
+        "--a-compile",
+        default="",
+        help="also measure (a) with these extract.compile modes, e.g. 'off,layers' ((a) always runs the mode (b) uses)",
+    )
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
     p.add_argument("--work", default="/tmp/dflash-bench")
@@ -381,9 +466,14 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpus": os.cpu_count(), "args": vars(args),
-            "gpu": torch.cuda.get_device_name(args.device) if cuda else None}
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+        "args": vars(args),
+        "gpu": torch.cuda.get_device_name(args.device) if cuda else None,
+    }
     try:
         import fla  # noqa: F401
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
@@ -425,7 +515,9 @@ def main():
 
 def summary(results):
     print("\n==== summary ====")
-    print(f"matmul peak {results['matmul_tflops']:.0f} TFLOP/s; {results['env'].get('gpu')}; fla {results['env']['fla']}")
+    print(
+        f"matmul peak {results['matmul_tflops']:.0f} TFLOP/s; {results['env'].get('gpu')}; fla {results['env']['fla']}"
+    )
     for w in results.get("writer", []):
         print(f"writer-only {w['codec']:>4} x{w['threads']}: {w['raw_GB_per_s']:.2f} GB/s raw, ratio {w['ratio']:.2f}")
     for shape, r in results.items():
@@ -434,17 +526,23 @@ def summary(results):
                 print(shape, "ERROR", r["error"])
             continue
         a, b, c = r["a"], r["b"], r["c"]
-        print(f"[{shape}] a {a['tokens_per_s']:.0f} tok/s (MFU {a['mfu']:.3f}, busy {a['gpu_busy']}) | "
-              f"b {b['tokens_per_s']:.0f} tok/s (MFU {b['mfu']:.3f}, busy {b['gpu_busy']}, nvml {b['nvml_util']}) | "
-              f"c {c['tokens_per_s']:.0f} tok/s | b/a {r['b_over_a']:.3f} b/c {r['b_over_c']:.2f}")
-        print(f"[{shape}] bytes/token b {b['bytes_per_token']:.0f} c {c['bytes_per_token']:.0f} | peak GPU "
-              f"{b['peak_gpu_gib']:.1f} GiB | RSS before {b['rss_before_gib']:.2f} peak {b['rss_peak_gib']:.2f} GiB, "
-              f"PSS growth with writer processes {b['pss_with_writers_delta_gib']:.2f} GiB "
-              f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, drain "
-              f"{b['drain_s']:.2f} s, copy wait {b['copy_wait_s']:.2f} s | check {b['check_first_batch']}")
+        print(
+            f"[{shape}] a {a['tokens_per_s']:.0f} tok/s (MFU {a['mfu']:.3f}, busy {a['gpu_busy']}) | "
+            f"b {b['tokens_per_s']:.0f} tok/s (MFU {b['mfu']:.3f}, busy {b['gpu_busy']}, nvml {b['nvml_util']}) | "
+            f"c {c['tokens_per_s']:.0f} tok/s | b/a {r['b_over_a']:.3f} b/c {r['b_over_c']:.2f}"
+        )
+        print(
+            f"[{shape}] bytes/token b {b['bytes_per_token']:.0f} c {c['bytes_per_token']:.0f} | peak GPU "
+            f"{b['peak_gpu_gib']:.1f} GiB | RSS before {b['rss_before_gib']:.2f} peak {b['rss_peak_gib']:.2f} GiB, "
+            f"PSS growth with writer processes {b['pss_with_writers_delta_gib']:.2f} GiB "
+            f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, drain "
+            f"{b['drain_s']:.2f} s, copy wait {b['copy_wait_s']:.2f} s | check {b['check_first_batch']}"
+        )
         for v in r.get("b_variants", []):
-            print(f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "
-                  f"writer wait {v['writer_wait_s']:.2f} s")
+            print(
+                f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "
+                f"writer wait {v['writer_wait_s']:.2f} s"
+            )
 
 
 if __name__ == "__main__":

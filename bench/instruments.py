@@ -7,7 +7,6 @@ import threading
 import time
 
 import torch
-
 from common import log
 
 
@@ -84,8 +83,11 @@ class Sampler(threading.Thread):
         """(peak RSS, peak PSS with child processes, mean GPU utilization) between t0 and t1."""
         s = [x for x in self.samples if t0 <= x[0] <= t1]
         util = [x[3] for x in s if x[3] is not None]
-        return (max((x[1] for x in s), default=rss_bytes()), max((x[2] for x in s), default=pss_bytes()),
-                (sum(util) / len(util) / 100) if util else None)
+        return (
+            max((x[1] for x in s), default=rss_bytes()),
+            max((x[2] for x in s), default=pss_bytes()),
+            (sum(util) / len(util) / 100) if util else None,
+        )
 
 
 def sync(device: str):
@@ -121,7 +123,7 @@ def matmul_peak(device: str) -> float:
 def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[int, int]]]:
     """2 x (weights of every nn.Linear in decoder layers 0..stop_after); and (heads, head_dim) of each
     softmax-attention layer among them (for the T^2 term)."""
-    from target.loader import decoder_layers
+    from dflash_pipeline.extraction.loader import decoder_layers
 
     cfg = getattr(model.config, "text_config", None) or model.config
     lin, attn = 0, []
@@ -136,4 +138,3 @@ def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[in
 def flops(lengths: list[int], lin: float, attn: list[tuple[int, int]]) -> float:
     # causal softmax attention: QK^T and PV, 2 flops per multiply-add, T(T+1)/2 pairs per head
     return sum(lin * t + sum(4 * h * d * t * (t + 1) / 2 for h, d in attn) for t in lengths)
-

@@ -36,31 +36,47 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-
 from common import build_model, log, plan_store, synthetic_samples  # noqa: E402
 
 
 def spec(store_root: Path, version: str, units: list[str], report, cfg, dtype_name: str) -> dict:
-    return {"store_root": str(store_root), "version": version, "units": units, "report": report.to_dict(),
-            "extract": cfg.extract.model_dump(mode="json"), "store_dtype": dtype_name, "pad_id": 0,
-            "attn_implementation": None, "threads": 1}
+    return {
+        "store_root": str(store_root),
+        "version": version,
+        "units": units,
+        "report": report.to_dict(),
+        "extract": cfg.extract.model_dump(mode="json"),
+        "store_dtype": dtype_name,
+        "pad_id": 0,
+        "attn_implementation": None,
+        "threads": 1,
+    }
 
 
-def split_replica(args, work: Path, report, dtype_name: str, vocab: int, one, one_store: Path,
-                  devices: list[str]) -> dict:
+def split_replica(
+    args, work: Path, report, dtype_name: str, vocab: int, one, one_store: Path, devices: list[str]
+) -> dict:
     import numpy as np
     import zarr
 
-    from pipeline.config import load_config
-    from target.probe import probe
-    from target.procs import run_in_process
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction.probe import probe
+    from dflash_pipeline.extraction.procs import run_in_process
 
     # Same batches as the one-GPU run, and room for 3/4 of the weights per GPU: one GPU cannot hold a replica.
     cap = report.working_gib + report.weights_gib * 0.75
-    scfg = load_config(None, {"output_dir": str(work), "target.model_path": report.model_path,
-                              "target.dtype": dtype_name, "extract.devices": ",".join(devices),
-                              "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
-                              "extract.max_gpu_memory_gib": cap, "extract.token_budget": report.token_budget})
+    scfg = load_config(
+        None,
+        {
+            "output_dir": str(work),
+            "target.model_path": report.model_path,
+            "target.dtype": dtype_name,
+            "extract.devices": ",".join(devices),
+            "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
+            "extract.max_gpu_memory_gib": cap,
+            "extract.token_budget": report.token_budget,
+        },
+    )
     sreport = probe(scfg.target, scfg.layers, scfg.extract, report.model_path)
     log(f"probe with {cap:.1f} GiB per GPU: {sreport.placement}; token budget {sreport.token_budget}")
     assert sreport.replicas == ["+".join(devices)], sreport.replicas
@@ -75,17 +91,25 @@ def split_replica(args, work: Path, report, dtype_name: str, vocab: int, one, on
         equal &= a.shape == b.shape and bool(np.array_equal(a, b))
         compared += a.shape[0]
     log(f"stored states of the split replica bit-equal to one GPU's: {equal} ({compared} tokens)")
-    return {"placement": sreport.placement, "max_gpu_memory_gib": cap, "weights_gib": sreport.weights_gib,
-            "tokens": r.tokens, "tokens_per_s": r.tokens_per_s, "vs_one_gpu": r.tokens_per_s / one.tokens_per_s,
-            "peak_gpu_gib_max_over_replica": r.peak_gpu_gib, "gpu_busy": r.gpu_busy_fraction,
-            "bit_equal_to_one_gpu": equal, "tokens_compared": compared}
+    return {
+        "placement": sreport.placement,
+        "max_gpu_memory_gib": cap,
+        "weights_gib": sreport.weights_gib,
+        "tokens": r.tokens,
+        "tokens_per_s": r.tokens_per_s,
+        "vs_one_gpu": r.tokens_per_s / one.tokens_per_s,
+        "peak_gpu_gib_max_over_replica": r.peak_gpu_gib,
+        "gpu_busy": r.gpu_busy_fraction,
+        "bit_equal_to_one_gpu": equal,
+        "tokens_compared": compared,
+    }
 
 
 def main() -> int:
-    from pipeline.config import load_config
-    from target.plan import assign_units
-    from target.probe import probe
-    from target.procs import run_in_process
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction.plan import assign_units
+    from dflash_pipeline.extraction.probe import probe
+    from dflash_pipeline.extraction.procs import run_in_process
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="8b")
@@ -111,9 +135,16 @@ def main() -> int:
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     log(f"model built and saved in {time.monotonic() - t:.1f} s")
-    cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(work / "model"),
-                             "target.dtype": dtype_name, "extract.devices": devices[0],
-                             "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000)})
+    cfg = load_config(
+        None,
+        {
+            "output_dir": str(work),
+            "target.model_path": str(work / "model"),
+            "target.dtype": dtype_name,
+            "extract.devices": devices[0],
+            "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
+        },
+    )
     report = probe(cfg.target, cfg.layers, cfg.extract, str(work / "model"))
 
     # one device
@@ -135,33 +166,56 @@ def main() -> int:
     assignment = assign_units([store2.unit_info(v2, u) for u in units2], devices)
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(devices)) as ex:
-        futs = {d: ex.submit(run_in_process, spec(work / "store2", v2, us, report, cfg, dtype_name), d)
-                for d, us in assignment.items()}
+        futs = {
+            d: ex.submit(run_in_process, spec(work / "store2", v2, us, report, cfg, dtype_name), d)
+            for d, us in assignment.items()
+        }
         many = {d: f.result() for d, f in futs.items()}
     wall = time.monotonic() - t0
     agg = sum(r.tokens_per_s for r in many.values())
     total = sum(r.tokens for r in many.values())
-    res["all_devices"] = {"per_device": {d: {"tokens": r.tokens, "tokens_per_s": r.tokens_per_s,
-                                             "gpu_busy": getattr(r, "gpu_busy", None)} for d, r in many.items()},
-                          "aggregate_tokens_per_s": agg, "scaling_vs_one": agg / one.tokens_per_s,
-                          "wall_s_with_loads": wall, "wall_tokens_per_s_with_loads": total / wall}
-    log(f"{len(devices)} devices: aggregate {agg:,.0f} tokens/s = {agg / one.tokens_per_s:.2f}x one device; "
-        f"wall incl. loads {total / wall:,.0f} tokens/s")
+    res["all_devices"] = {
+        "per_device": {
+            d: {"tokens": r.tokens, "tokens_per_s": r.tokens_per_s, "gpu_busy": getattr(r, "gpu_busy", None)}
+            for d, r in many.items()
+        },
+        "aggregate_tokens_per_s": agg,
+        "scaling_vs_one": agg / one.tokens_per_s,
+        "wall_s_with_loads": wall,
+        "wall_tokens_per_s_with_loads": total / wall,
+    }
+    log(
+        f"{len(devices)} devices: aggregate {agg:,.0f} tokens/s = {agg / one.tokens_per_s:.2f}x one device; "
+        f"wall incl. loads {total / wall:,.0f} tokens/s"
+    )
 
     # drafter training from the N-device store, on the first device
-    from drafter.config import TrainConfig
-    from drafter.train import train
+    from dflash_pipeline.drafter.config import TrainConfig
+    from dflash_pipeline.drafter.train import train
 
-    tc = TrainConfig(block_size=8 if args.cpu_smoke else 16, max_steps=args.train_steps, epochs=100,
-                     batch_size=1, anchors_per_sample=64 if args.cpu_smoke else 512, num_workers=4,
-                     checkpoint_every=10**6, log_every=5, device="cpu" if args.cpu_smoke else "cuda:0",
-                     mask_token=vocab - 1)  # the bench model has no tokenizer: an id inside the embedding
+    tc = TrainConfig(
+        block_size=8 if args.cpu_smoke else 16,
+        max_steps=args.train_steps,
+        epochs=100,
+        batch_size=1,
+        anchors_per_sample=64 if args.cpu_smoke else 512,
+        num_workers=4,
+        checkpoint_every=10**6,
+        log_every=5,
+        device="cpu" if args.cpu_smoke else "cuda:0",
+        mask_token=vocab - 1,
+    )  # the bench model has no tokenizer: an id inside the embedding
     tr = train(tc, str(work / "store2"), str(work / "model"), work / "drafter", version=v2)
-    steady = tr.history[len(tr.history) // 3:]
-    res["drafter_training"] = {"steps": tr.steps, "tokens_per_s": tr.tokens_per_s,
-                               "data_wait_fraction": tr.data_wait_fraction,
-                               "gpu_busy_fraction": 1 - tr.data_wait_fraction, "first_loss": tr.first_loss,
-                               "final_loss": tr.final_loss, "steady_history": steady[-3:]}
+    steady = tr.history[len(tr.history) // 3 :]
+    res["drafter_training"] = {
+        "steps": tr.steps,
+        "tokens_per_s": tr.tokens_per_s,
+        "data_wait_fraction": tr.data_wait_fraction,
+        "gpu_busy_fraction": 1 - tr.data_wait_fraction,
+        "first_loss": tr.first_loss,
+        "final_loss": tr.final_loss,
+        "steady_history": steady[-3:],
+    }
     log(f"drafter training: {tr.tokens_per_s:,.0f} tokens/s, data wait {tr.data_wait_fraction:.1%}")
     (out / "multi_gpu_bench.json").write_text(json.dumps(res, indent=2, default=str))
     print(json.dumps(res, indent=2, default=str))

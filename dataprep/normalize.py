@@ -10,8 +10,12 @@ from typing import Any
 
 ROLE_ALIASES = {
     "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
 }
 
 
@@ -30,8 +34,10 @@ def detect_format(row: dict[str, Any]) -> str:
         return "messages"
     if "data" in row:
         return "ultrachat"
-    raise RowError(f"no conversation field: expected one of 'conversations' (ShareGPT), 'messages' "
-                   f"(OpenAI) or 'data' (UltraChat); the row has {sorted(row)}")
+    raise RowError(
+        f"no conversation field: expected one of 'conversations' (ShareGPT), 'messages' "
+        f"(OpenAI) or 'data' (UltraChat); the row has {sorted(row)}"
+    )
 
 
 def _turns(row: dict[str, Any], fmt: str) -> list[tuple[Any, Any]]:
@@ -75,8 +81,10 @@ def normalize_row(row: Any, fmt: str = "auto") -> list[dict[str, str]]:
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
             at = i + (len(messages) - len(body))
-            raise RowError(f"wrong turn order at turn {at}: expected {expected}, got {m['role']} "
-                           "(a conversation is [system], user, assistant, user, assistant, ...)")
+            raise RowError(
+                f"wrong turn order at turn {at}: expected {expected}, got {m['role']} "
+                "(a conversation is [system], user, assistant, user, assistant, ...)"
+            )
     while messages and messages[-1]["role"] == "user":
         messages.pop()
     if not any(m["role"] == "assistant" for m in messages):

@@ -16,15 +16,15 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from dataprep.normalize import RowError, normalize_row
-from dataprep.render import render
-from dataprep.sources import BadLine, iter_rows, source_fingerprint
-from pipeline.config import DataConfig
-from pipeline.errors import DataError
+from dflash_pipeline.config import DataConfig
+from dflash_pipeline.dataprep.normalize import RowError, normalize_row
+from dflash_pipeline.dataprep.render import render
+from dflash_pipeline.dataprep.sources import BadLine, iter_rows, source_fingerprint
+from dflash_pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
 PREPARE_VERSION = "1"
@@ -131,24 +131,33 @@ def prepare_dataset(
             dropped["exact duplicate"] += 1
             continue
         seen.add(sid)
-        for k, v in (("sample_id", sid), ("input_ids", ids), ("loss_mask", mask), ("seq_len", len(ids)),
-                     ("source_row", row_no)):
+        for k, v in (
+            ("sample_id", sid),
+            ("input_ids", ids),
+            ("loss_mask", mask),
+            ("seq_len", len(ids)),
+            ("source_row", row_no),
+        ):
             cols[k].append(v)
 
     n = len(cols["sample_id"])
     if n == 0:
         reasons = Counter(q["reason"].split(":")[0] for q in quarantine)
-        raise DataError(f"no usable samples in {source}: {n_rows} rows read, {len(quarantine)} quarantined "
-                        f"(top reasons: {reasons.most_common(3)}), dropped {dict(dropped)}. Check data.format, "
-                        "data.max_length and the quarantine report")
+        raise DataError(
+            f"no usable samples in {source}: {n_rows} rows read, {len(quarantine)} quarantined "
+            f"(top reasons: {reasons.most_common(3)}), dropped {dict(dropped)}. Check data.format, "
+            "data.max_length and the quarantine report"
+        )
 
-    features = datasets.Features({
-        "sample_id": datasets.Value("string"),
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "seq_len": datasets.Value("int32"),
-        "source_row": datasets.Value("int64"),
-    })
+    features = datasets.Features(
+        {
+            "sample_id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+            "seq_len": datasets.Value("int32"),
+            "source_row": datasets.Value("int64"),
+        }
+    )
     ds = datasets.Dataset.from_dict(cols, features=features)
     num_shards = max(1, -(-n // cfg.rows_per_shard))
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -159,17 +168,31 @@ def prepare_dataset(
             for q in quarantine:
                 f.write(json.dumps(q) + "\n")
         res = PrepareResult(
-            fingerprint=fp, path=str(final / "dataset"), source=source, n_rows=n_rows, n_samples=n,
-            n_tokens=sum(cols["seq_len"]), n_supervised_tokens=sum(sum(m) for m in cols["loss_mask"]),
-            num_shards=num_shards, dropped=dict(dropped), quarantined=len(quarantine),
+            fingerprint=fp,
+            path=str(final / "dataset"),
+            source=source,
+            n_rows=n_rows,
+            n_samples=n,
+            n_tokens=sum(cols["seq_len"]),
+            n_supervised_tokens=sum(sum(m) for m in cols["loss_mask"]),
+            num_shards=num_shards,
+            dropped=dict(dropped),
+            quarantined=len(quarantine),
             quarantine_path=str(final / "quarantine.jsonl"),
         )
         (tmp / "manifest.json").write_text(res.to_json())  # written last: its presence means "complete"
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared %d samples (%d tokens) from %d rows; %d quarantined; dropped %s -> %s",
-             n, res.n_tokens, n_rows, len(quarantine), dict(dropped), final)
+    log.info(
+        "prepared %d samples (%d tokens) from %d rows; %d quarantined; dropped %s -> %s",
+        n,
+        res.n_tokens,
+        n_rows,
+        len(quarantine),
+        dict(dropped),
+        final,
+    )
     return res
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataprep.normalize import RowError
+from dflash_pipeline.dataprep.normalize import RowError
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ def uses_generation_tags(tokenizer) -> bool:
 
 
 def _ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        return_dict=True)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -46,8 +47,9 @@ def render(tokenizer, messages: list[dict[str, str]], mask_turns: str = "all") -
     if tokenizer.chat_template is None:
         raise RowError("the tokenizer has no chat_template; use a chat model's tokenizer")
     if uses_generation_tags(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, mask = list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
         spans = _spans(mask)
     else:
@@ -59,9 +61,11 @@ def render(tokenizer, messages: list[dict[str, str]], mask_turns: str = "all") -
                 continue
             prefix = _ids(tokenizer, messages[:k], add_generation_prompt=True)
             if ids[: len(prefix)] != prefix:
-                raise RowError(f"chat template renders turn {k}'s history differently inside the full "
-                               "conversation, so assistant tokens cannot be located; add {% generation %} "
-                               "tags to the template")
+                raise RowError(
+                    f"chat template renders turn {k}'s history differently inside the full "
+                    "conversation, so assistant tokens cannot be located; add {% generation %} "
+                    "tags to the template"
+                )
             end = next((i for i in range(len(prefix), len(ids)) if ids[i] in eot), len(ids) - 1)
             spans.append((len(prefix), end + 1))
     if mask_turns == "last":

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from pipeline.errors import DataError
+from dflash_pipeline.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ def _load_hub(name: str, split: str):
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "cannot load"
-        raise DataError(f"data.source {name!r} is neither a local file/directory nor a loadable dataset "
-                        f"({type(e).__name__}: {e}). Give a path to a .jsonl/.json/.parquet file or a "
-                        "directory saved with datasets.save_to_disk") from e
+        raise DataError(
+            f"data.source {name!r} is neither a local file/directory nor a loadable dataset "
+            f"({type(e).__name__}: {e}). Give a path to a .jsonl/.json/.parquet file or a "
+            "directory saved with datasets.save_to_disk"
+        ) from e
 
 
 def _check_not_missing_path(source: str) -> None:
@@ -63,8 +66,7 @@ def _check_not_missing_path(source: str) -> None:
 
 
 def _from_dataset(ds) -> Iterator[tuple[int, Any]]:
-    for i, row in enumerate(ds):
-        yield i, row
+    yield from enumerate(ds)
 
 
 def iter_rows(source: str, split: str = "train") -> Iterator[tuple[int, Any | BadLine]]:
@@ -85,8 +87,10 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[int, Any | Ba
             try:
                 data = json.loads(p.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
-                raise DataError(f"{p} is not valid JSON ({e.msg}, line {e.lineno}); a .json source must "
-                                "hold a list of conversations (use .jsonl for one per line)") from e
+                raise DataError(
+                    f"{p} is not valid JSON ({e.msg}, line {e.lineno}); a .json source must "
+                    "hold a list of conversations (use .jsonl for one per line)"
+                ) from e
             if not isinstance(data, list):
                 raise DataError(f"{p} holds a {type(data).__name__}; a .json source must hold a list of rows")
             yield from enumerate(data)

@@ -38,7 +38,9 @@ def collate(items: list[dict]) -> dict:
     return out
 
 
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, max_anchors: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """anchors [B, N] (sorted per row) and keep [B, N]; N = min(max_anchors, most valid anchors in a row),
     at least 1 (an all-dropped row keeps the graph identical across DDP ranks; its loss weight is 0)."""
     valid = torch.zeros_like(loss_mask)
@@ -59,8 +61,15 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return w
 
 
-def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                 block_size: int, mask_id: int, gamma: float | None) -> dict:
+def block_inputs(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    mask_id: int,
+    gamma: float | None,
+) -> dict:
     """block_ids / block_pos [B, N*bs]; labels, label_pos, weights [B, N, bs] (label k = token a+k)."""
     b, t = input_ids.shape
     off = torch.arange(block_size, device=input_ids.device)
@@ -73,11 +82,18 @@ def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     weights = w * (inside & supervised & keep[:, :, None]).float()
     block_ids = torch.full_like(labels, mask_id)
     block_ids[:, :, 0] = torch.where(keep, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_id))
-    return {"block_ids": block_ids.reshape(b, -1), "block_pos": label_pos.reshape(b, -1), "labels": labels,
-            "label_pos": safe, "weights": weights}
+    return {
+        "block_ids": block_ids.reshape(b, -1),
+        "block_pos": label_pos.reshape(b, -1),
+        "labels": labels,
+        "label_pos": safe,
+        "weights": weights,
+    }
 
 
-def block_loss(out: torch.Tensor, head, blk: dict, last_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def block_loss(
+    out: torch.Tensor, head, blk: dict, last_hidden: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
     """Weighted mean over supervised block positions of CE(data token) or, with last_hidden, of
     KL(target || draft) where the target's distribution for token a+k comes from position a+k-1.
 

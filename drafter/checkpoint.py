@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import ConfigError
+from dflash_pipeline.errors import ConfigError
 
 DONE = "DONE"
 
@@ -57,16 +57,25 @@ def set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler,
-                    state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict[str, Any], keep: int
+) -> Path:
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         torch.save(model.state_dict(), tmp / "drafter.pt")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "rng": rng_state(), **state}, tmp / "trainer.pt")
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "rng": rng_state(),
+                **state,
+            },
+            tmp / "trainer.pt",
+        )
         (tmp / DONE).write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
@@ -85,7 +94,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sp
         raise ConfigError(
             f"{path} holds a drafter of another architecture or target layer set than this run "
             f"(saved: {state.get('spec')}; now: {spec_json}). Use a new train.output_dir, or delete "
-            f"{path.parent} to start over")
+            f"{path.parent} to start over"
+        )
     model.load_state_dict(torch.load(path / "drafter.pt", map_location="cpu"))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -1,7 +1,8 @@
 """Configuration of the drafter stages: training, acceptance evaluation and response regeneration.
 
-Every field has a default that suits the embedded default run; the values from DESIGN.md section 6
-(block 16, gamma 7, lr 6e-4, 4% warmup, ~512 anchors per sequence) are the defaults for real targets.
+Every field has a default that suits the embedded default run; the values from docs/ARCHITECTURE.md
+("Field facts": block 16, gamma 7, lr 6e-4, 4% warmup, ~512 anchors per sequence) are the defaults for real
+targets.
 Sections subclass the pipeline's `Section`, so unknown fields are errors that name the field.
 """
 
@@ -11,19 +12,28 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.base import Section
+from dflash_pipeline.base import Section
 
 
 class TrainConfig(Section):
-    num_draft_layers: int | None = Field(None, ge=1, description="Draft decoder layers; None = one per "
-                                         "captured target layer (the DFlash default, 5).")
-    block_size: int = Field(16, ge=2, le=64, description="Tokens per draft block: the anchor + block_size-1 "
-                            "mask tokens predicted in one forward.")
+    num_draft_layers: int | None = Field(
+        None, ge=1, description="Draft decoder layers; None = one per captured target layer (the DFlash default, 5)."
+    )
+    block_size: int = Field(
+        16,
+        ge=2,
+        le=64,
+        description="Tokens per draft block: the anchor + block_size-1 mask tokens predicted in one forward.",
+    )
     sliding_window: int | None = Field(None, ge=1, description="Window (tokens) of sliding-attention layers.")
-    sliding_layers: list[int] | None = Field(None, description="Draft layer indices that use the sliding "
-                                             "window; None with a window set = all layers.")
-    mask_token: str | int = Field("<|mask|>", description="Token (or token id) of the masked block positions; "
-                                  "an id may lie past the tokenizer's vocabulary but inside the embedding.")
+    sliding_layers: list[int] | None = Field(
+        None, description="Draft layer indices that use the sliding window; None with a window set = all layers."
+    )
+    mask_token: str | int = Field(
+        "<|mask|>",
+        description="Token (or token id) of the masked block positions; "
+        "an id may lie past the tokenizer's vocabulary but inside the embedding.",
+    )
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.04, ge=0, lt=1, description="Share of steps with linear warmup.")
@@ -33,27 +43,42 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Cap on optimizer steps (overrides epochs if lower).")
     batch_size: int = Field(1, ge=1, description="Sequences per micro-batch per process.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    anchors_per_sample: int = Field(512, ge=1, description="Blocks per sequence, clipped to the number of "
-                                    "valid anchors (positions whose next token is supervised).")
-    gamma: float | None = Field(7.0, gt=0, description="Loss weight exp(-(k-1)/gamma) for block position k; "
-                                "None = uniform.")
-    distill: bool = Field(False, description="Train on the target's distribution (KL to the logits computed "
-                          "from the stored last hidden state) instead of the data tokens; needs "
-                          "layers.capture_last=true in the store.")
+    anchors_per_sample: int = Field(
+        512,
+        ge=1,
+        description="Blocks per sequence, clipped to the number of "
+        "valid anchors (positions whose next token is supervised).",
+    )
+    gamma: float | None = Field(
+        7.0, gt=0, description="Loss weight exp(-(k-1)/gamma) for block position k; None = uniform."
+    )
+    distill: bool = Field(
+        False,
+        description="Train on the target's distribution (KL to the logits computed "
+        "from the stored last hidden state) instead of the data tokens; needs "
+        "layers.capture_last=true in the store.",
+    )
     checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Steps between loss records / progress callbacks.")
     seed: int = 0
-    device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu' or 'cuda[:N]'. "
-                        "Under torchrun each process uses cuda:LOCAL_RANK.")
+    device: str = Field(
+        "auto",
+        description="'auto' (cuda when available, else cpu), 'cpu' or 'cuda[:N]'. "
+        "Under torchrun each process uses cuda:LOCAL_RANK.",
+    )
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes (0 = read in the main process).")
-    attention: Literal["auto", "sdpa", "flex"] = Field("auto", description="'flex' builds block-sparse masks "
-                                                       "(CUDA); 'auto' = flex on CUDA when available, else sdpa.")
-    output_dir: str | None = Field(None, description="Checkpoints, export, plot and metrics; None = given by "
-                                   "the caller (the pipeline uses <run output_dir>/drafter).")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="'flex' builds block-sparse masks (CUDA); 'auto' = flex on CUDA when available, else sdpa."
+    )
+    output_dir: str | None = Field(
+        None,
+        description="Checkpoints, export, plot and metrics; None = given by "
+        "the caller (the pipeline uses <run output_dir>/drafter).",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _check(self) -> TrainConfig:
         if self.sliding_layers is not None and self.sliding_window is None:
             raise ValueError(f"train.sliding_layers={self.sliding_layers} needs train.sliding_window (e.g. 2048)")
         if self.sliding_layers and min(self.sliding_layers) < 0:
@@ -62,20 +87,24 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    prompts: str = Field("embedded", description="'embedded' or a JSONL of {'id', 'messages'} ending with a "
-                         "user turn.")
+    prompts: str = Field("embedded", description="'embedded' or a JSONL of {'id', 'messages'} ending with a user turn.")
     num_prompts: int | None = Field(16, ge=1, description="First N prompts; None = all.")
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, description="Only greedy (0) is measured: acceptance is exact-match.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'.")
-    chat_template_kwargs: dict = Field({}, description="Passed to apply_chat_template, e.g. "
-                                       "{'enable_thinking': false}; must match how the drafter's data was rendered.")
+    chat_template_kwargs: dict = Field(
+        {},
+        description="Passed to apply_chat_template, e.g. "
+        "{'enable_thinking': false}; must match how the drafter's data was rendered.",
+    )
 
     @model_validator(mode="after")
-    def _greedy(self) -> "EvalConfig":
+    def _greedy(self) -> EvalConfig:
         if self.temperature != 0:
-            raise ValueError(f"evaluate.temperature={self.temperature}: only greedy verification (0) is "
-                             "implemented; acceptance length is defined here for exact-match verification")
+            raise ValueError(
+                f"evaluate.temperature={self.temperature}: only greedy verification (0) is "
+                "implemented; acceptance length is defined here for exact-match verification"
+            )
         return self
 
 
@@ -85,8 +114,10 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(512, ge=1, description="Per assistant turn.")
     batch_size: int = Field(16, ge=1, description="Conversations generated together (left-padded).")
-    turns: Literal["all", "last"] = Field("all", description="'all': every assistant turn, each given the "
-                                          "regenerated history; 'last': only the final one.")
+    turns: Literal["all", "last"] = Field(
+        "all",
+        description="'all': every assistant turn, each given the regenerated history; 'last': only the final one.",
+    )
     device: str = Field("auto")
     seed: int = 0
     chat_template_kwargs: dict = Field({}, description="e.g. {'enable_thinking': false}.")

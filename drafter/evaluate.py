@@ -14,16 +14,16 @@ and `lossless_check` compares it against plain greedy decoding.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from drafter.config import EvalConfig
-from drafter.model import DFlashDrafter
-from drafter.target_head import head_from_model
-from target.capture import LayerCapture
+from dflash_pipeline.drafter.config import EvalConfig
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import head_from_model
+from dflash_pipeline.extraction.capture import LayerCapture
 
 
 @dataclass
@@ -43,19 +43,25 @@ class AcceptanceReport:
     def to_markdown(self, title: str = "Drafter acceptance") -> str:
         rates = " | ".join(f"{r:.2f}" for r in self.position_accept_rate)
         heads = " | ".join(str(k) for k in range(1, len(self.position_accept_rate) + 1))
-        return (f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step "
-                f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
-                + (f"- untrained drafter (baseline): {self.untrained_acceptance_length:.3f}\n"
-                   if self.untrained_acceptance_length is not None else "")
-                + f"- prompts: {self.num_prompts}, verification steps: {self.verify_steps}, "
-                f"generated tokens: {self.generated_tokens}\n\n"
-                f"Acceptance rate by draft position (share of steps that accepted position k):\n\n"
-                f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n")
+        return (
+            f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step "
+            f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
+            + (
+                f"- untrained drafter (baseline): {self.untrained_acceptance_length:.3f}\n"
+                if self.untrained_acceptance_length is not None
+                else ""
+            )
+            + f"- prompts: {self.num_prompts}, verification steps: {self.verify_steps}, "
+            f"generated tokens: {self.generated_tokens}\n\n"
+            f"Acceptance rate by draft position (share of steps that accepted position k):\n\n"
+            f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n"
+        )
 
 
 @torch.inference_mode()
-def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
-                         stop_ids: set[int]) -> tuple[list[int], list[int]]:
+def speculative_generate(
+    target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]
+) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, tokens produced per verification step)."""
     s, dev = drafter.spec, next(drafter.parameters()).device
     head = head_from_model(target)
@@ -73,8 +79,13 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: list[int], 
         block[0, 0] = gen[-1]
         bpos = torch.arange(ctx_len, ctx_len + s.block_size, device=dev)[None]
         masks = drafter.block_masks(torch.tensor([[ctx_len]], device=dev), None, ctx_len)
-        h = drafter(feats[:, :ctx_len].to(next(drafter.parameters()).dtype), head.embed(block).to(feats.dtype),
-                    torch.arange(ctx_len, device=dev)[None], bpos, masks)
+        h = drafter(
+            feats[:, :ctx_len].to(next(drafter.parameters()).dtype),
+            head.embed(block).to(feats.dtype),
+            torch.arange(ctx_len, device=dev)[None],
+            bpos,
+            masks,
+        )
         drafts = head.logits(h[0, 1:].to(head.lm_head.weight.dtype)).argmax(-1)
         with capture.recording(stop=False) as outs:
             out = target(input_ids=torch.cat([seq, drafts[None]], dim=1), use_cache=False)
@@ -107,15 +118,21 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_ids
 def load_prompts(cfg: EvalConfig) -> list[dict]:
     path = cfg.prompts
     if path == "embedded":
-        from embedded import heldout_prompts
+        from dflash_pipeline.embedded import heldout_prompts
 
         path = str(heldout_prompts())
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return rows[: cfg.num_prompts] if cfg.num_prompts else rows
 
 
-def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConfig, prompts: list[dict] | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> AcceptanceReport:
+def evaluate_acceptance(
+    drafter: DFlashDrafter,
+    target,
+    tokenizer,
+    cfg: EvalConfig,
+    prompts: list[dict] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> AcceptanceReport:
     """Acceptance length over the prompts (target and drafter already on the same device, eval mode)."""
     prompts = prompts if prompts is not None else load_prompts(cfg)
     eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
@@ -126,28 +143,42 @@ def evaluate_acceptance(drafter: DFlashDrafter, target, tokenizer, cfg: EvalConf
     for n_done, p in enumerate(prompts):
         if progress:
             progress(n_done, len(prompts))
-        ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,
-                                            return_dict=True, **cfg.chat_template_kwargs)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.chat_template_kwargs
+        )["input_ids"]
         gen, produced = speculative_generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
         all_steps += produced
-        per_prompt.append({"id": p.get("id"), "tokens": len(gen), "steps": len(produced),
-                           "acceptance_length": sum(produced) / len(produced) if produced else None})
+        per_prompt.append(
+            {
+                "id": p.get("id"),
+                "tokens": len(gen),
+                "steps": len(produced),
+                "acceptance_length": sum(produced) / len(produced) if produced else None,
+            }
+        )
     n = len(all_steps)
     rates = [sum(1 for x in all_steps if x - 1 >= k) / n if n else 0.0 for k in range(1, bs)]
-    return AcceptanceReport(acceptance_length=sum(all_steps) / n if n else 1.0, block_size=bs,
-                            num_prompts=len(prompts), verify_steps=n, generated_tokens=sum(all_steps),
-                            position_accept_rate=rates, per_prompt=per_prompt)
+    return AcceptanceReport(
+        acceptance_length=sum(all_steps) / n if n else 1.0,
+        block_size=bs,
+        num_prompts=len(prompts),
+        verify_steps=n,
+        generated_tokens=sum(all_steps),
+        position_accept_rate=rates,
+        per_prompt=per_prompt,
+    )
 
 
-def evaluate_export(export_dir: str, target_path: str, cfg: EvalConfig, baseline: bool = True,
-                    seed: int = 0) -> AcceptanceReport:
+def evaluate_export(
+    export_dir: str, target_path: str, cfg: EvalConfig, baseline: bool = True, seed: int = 0
+) -> AcceptanceReport:
     """Load the exported drafter and the target, evaluate (and, with `baseline`, an untrained drafter of
     the same architecture), and store the result in the export's dflash_meta.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafter.export import load_drafter, update_meta
-    from drafter.runtime import resolve_device
-    from target.probe import probe_dtype_kwarg
+    from dflash_pipeline.drafter.export import load_drafter, update_meta
+    from dflash_pipeline.drafter.runtime import resolve_device
+    from dflash_pipeline.extraction.probe import probe_dtype_kwarg
 
     device = str(resolve_device(cfg.device))
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from drafter.model import FULL, DFlashDrafter, DraftSpec
-from pipeline.errors import ConfigError
+from dflash_pipeline.drafter.model import FULL, DFlashDrafter, DraftSpec
+from dflash_pipeline.errors import ConfigError
 
 CONFIG, WEIGHTS, META = "config.json", "model.safetensors", "dflash_meta.json"
 
@@ -42,8 +42,11 @@ def hf_config(spec: DraftSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         "num_hidden_layers": spec.num_hidden_layers,
         "num_target_layers": spec.num_target_layers,
         "block_size": spec.block_size,
-        "dflash_config": {"target_layer_ids": list(spec.target_layer_ids), "mask_token_id": spec.mask_token_id,
-                          "block_size": spec.block_size},
+        "dflash_config": {
+            "target_layer_ids": list(spec.target_layer_ids),
+            "mask_token_id": spec.mask_token_id,
+            "block_size": spec.block_size,
+        },
         "vocab_size": spec.vocab_size,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
@@ -57,8 +60,12 @@ def hf_config(spec: DraftSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         "dtype": dtype,
     }
     if any(t != FULL for t in spec.layer_types):
-        cfg.update(layer_types=list(spec.layer_types), sliding_window=spec.sliding_window,
-                   use_sliding_window=True, max_window_layers=spec.num_hidden_layers)
+        cfg.update(
+            layer_types=list(spec.layer_types),
+            sliding_window=spec.sliding_window,
+            use_sliding_window=True,
+            max_window_layers=spec.num_hidden_layers,
+        )
     return cfg
 
 
@@ -69,19 +76,28 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> DraftSpec:
     rope = cfg.get("rope_parameters") or {}
     n = int(cfg["num_hidden_layers"])
     return DraftSpec(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], num_hidden_layers=n,
-        vocab_size=cfg["vocab_size"], target_layer_ids=list(d["target_layer_ids"]),
-        num_target_layers=cfg["num_target_layers"], block_size=int(d.get("block_size", cfg.get("block_size", 16))),
-        mask_token_id=int(d["mask_token_id"]), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        num_hidden_layers=n,
+        vocab_size=cfg["vocab_size"],
+        target_layer_ids=list(d["target_layer_ids"]),
+        num_target_layers=cfg["num_target_layers"],
+        block_size=int(d.get("block_size", cfg.get("block_size", 16))),
+        mask_token_id=int(d["mask_token_id"]),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        sliding_window=cfg.get("sliding_window"), layer_types=list(cfg.get("layer_types") or [FULL] * n))
+        sliding_window=cfg.get("sliding_window"),
+        layer_types=list(cfg.get("layer_types") or [FULL] * n),
+    )
 
 
-def export_drafter(model: DFlashDrafter, out_dir: str | Path, meta: dict | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_drafter(
+    model: DFlashDrafter, out_dir: str | Path, meta: dict | None = None, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write the directory atomically (temp dir + rename); an existing export is replaced."""
     from safetensors.torch import save_file
 
@@ -102,8 +118,9 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, meta: dict | None 
     return out
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     from safetensors.torch import load_file
 
     p = Path(path)

@@ -33,8 +33,9 @@ def flex_attention(q, k, v, block_mask, enable_gqa: bool = False):
     return _compiled()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
-def block_sparse_mask(anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int,
-                      window: int | None = None):
+def block_sparse_mask(
+    anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int, window: int | None = None
+):
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = anchors.shape

@@ -1,4 +1,4 @@
-"""The DFlash draft model (DESIGN.md section 6), written from the published description.
+"""The DFlash draft model, written from the published description (docs/ARCHITECTURE.md, "Field facts").
 
 One forward predicts a whole block: the block is the anchor token (the last accepted token) followed by
 block_size-1 mask tokens, embedded with the target's frozen embedding. The target's hidden states of the
@@ -67,8 +67,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(pos: torch.Tensor, head_dim: int, theta: float,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, L, head_dim] for positions [B, L]: rotary over the full head dim (Qwen3 default),
     computed in float32 (as HF does) or float64 for a float64 model."""
     dtype = torch.promote_types(dtype, torch.float32)
@@ -81,7 +82,7 @@ def rope_tables(pos: torch.Tensor, head_dim: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Halves convention (HF rotate_half): [x1, x2] -> [x1, x2] * cos + [-x2, x1] * sin. x: [B, h, L, d]."""
     d = x.shape[-1]
-    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
     return (x.to(cos.dtype) * cos + rotated.to(cos.dtype) * sin).to(x.dtype)
 
 
@@ -109,7 +110,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(nh // nkv, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # a flex-attention BlockMask (see train.py)
-            from drafter.flex import flex_attention
+            from dflash_pipeline.drafter.flex import flex_attention
 
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=nh != nkv)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, nh * hd))
@@ -169,16 +170,20 @@ class DFlashDrafter(nn.Module):
     def block_masks(self, anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, flex: bool = False) -> dict:
         """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training)."""
         if flex:
-            from drafter.flex import block_sparse_mask as make
+            from dflash_pipeline.drafter.flex import block_sparse_mask as make
         else:
             make = block_mask
-        return {kind: make(anchors, keep, ctx_len, self.spec.block_size,
-                           self.spec.sliding_window if kind == SLIDING else None)
-                for kind in set(self.spec.layer_types)}
+        return {
+            kind: make(
+                anchors, keep, ctx_len, self.spec.block_size, self.spec.sliding_window if kind == SLIDING else None
+            )
+            for kind in set(self.spec.layer_types)
+        }
 
 
-def block_mask(anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int,
-               window: int | None = None) -> torch.Tensor:
+def block_mask(
+    anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int, window: int | None = None
+) -> torch.Tensor:
     """Bool [B, 1, N*bs, ctx_len + N*bs] for N blocks per row laid out one after another.
 
     Context key j is visible to block n iff j < anchors[:, n] (and keep); block keys only within the same

@@ -3,7 +3,7 @@ extraction).
 
 A drafter imitates whatever text it is trained on; serving verifies it against the target's own
 outputs, so training on the target's responses (greedy or ~0.7 temperature) gives far higher acceptance
-than the dataset's original responses (DESIGN.md s6). Turns are regenerated in order: with
+than the dataset's original responses (docs/ARCHITECTURE.md, "Field facts"). Turns are regenerated in order: with
 turns='all' each assistant turn is generated given the already regenerated history.
 
 Output: a JSONL of {"id", "messages"} (OpenAI messages form) that the prepare stage reads like any
@@ -17,13 +17,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
-from drafter.config import RegenerateConfig
+from dflash_pipeline.drafter.config import RegenerateConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def _done_ids(path: Path) -> set[str]:
 
 
 def _conversations(source: str, fmt: str, split: str, max_samples: int | None) -> Iterator[tuple[str, list] | None]:
-    from dataprep.normalize import RowError, normalize_row
-    from dataprep.sources import BadLine, iter_rows
+    from dflash_pipeline.dataprep.normalize import RowError, normalize_row
+    from dflash_pipeline.dataprep.sources import BadLine, iter_rows
 
     n = 0
     for row_no, row in iter_rows(source, split):
@@ -76,15 +76,28 @@ def _conversations(source: str, fmt: str, split: str, max_samples: int | None) -
 
 
 @torch.inference_mode()
-def _generate(model, tok, prompts: list[list[dict]], cfg: RegenerateConfig, stop: set[int]) -> tuple[list[str], int, int]:
-    enc = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, padding=True,
-                                  return_tensors="pt", return_dict=True, **cfg.chat_template_kwargs)
+def _generate(
+    model, tok, prompts: list[list[dict]], cfg: RegenerateConfig, stop: set[int]
+) -> tuple[list[str], int, int]:
+    enc = tok.apply_chat_template(
+        prompts,
+        add_generation_prompt=True,
+        tokenize=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+        **cfg.chat_template_kwargs,
+    )
     enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-    kw = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else \
-        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
-                         eos_token_id=sorted(stop), **kw)
-    new = out[:, enc["input_ids"].shape[1]:].tolist()
+    kw = (
+        {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+        if cfg.temperature > 0
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    )
+    out = model.generate(
+        **enc, max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(stop), **kw
+    )
+    new = out[:, enc["input_ids"].shape[1] :].tolist()
     texts, truncated, ntok = [], 0, 0
     for ids in new:
         cut = next((i for i, t in enumerate(ids) if t in stop), None)
@@ -98,21 +111,31 @@ def _generate(model, tok, prompts: list[list[dict]], cfg: RegenerateConfig, stop
     return texts, truncated, ntok
 
 
-def regenerate(source: str, out_path: str | Path, model_path: str, cfg: RegenerateConfig, *, fmt: str = "auto",
-               split: str = "train", max_samples: int | None = None,
-               progress: Callable[[int, int], None] | None = None) -> RegenerateResult:
+def regenerate(
+    source: str,
+    out_path: str | Path,
+    model_path: str,
+    cfg: RegenerateConfig,
+    *,
+    fmt: str = "auto",
+    split: str = "train",
+    max_samples: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RegenerateResult:
     """Regenerate assistant turns of `source` into `out_path` (resumable). progress(done, new_tokens)."""
     from transformers import AutoTokenizer
 
-    from drafter.runtime import resolve_device
-    from target.loader import load_target
-    from target.probe import probe_dtype_kwarg
+    from dflash_pipeline.drafter.runtime import resolve_device
+    from dflash_pipeline.extraction.loader import load_target
+    from dflash_pipeline.extraction.probe import probe_dtype_kwarg
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
     device = resolve_device(cfg.device)
-    model = load_target(model_path, probe_dtype_kwarg(), "bfloat16" if device.type == "cuda" else "float32", str(device))
+    model = load_target(
+        model_path, probe_dtype_kwarg(), "bfloat16" if device.type == "cuda" else "float32", str(device)
+    )
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.padding_side = "left"
     eos = model.generation_config.eos_token_id
@@ -153,5 +176,6 @@ def regenerate(source: str, out_path: str | Path, model_path: str, cfg: Regenera
     if pending:
         flush()
     log.info("regenerated %d conversations (%d new tokens, %d truncated turns)", generated, ntok, truncated)
-    return RegenerateResult(str(out), len(done) + generated, generated, skipped, truncated, ntok,
-                            time.perf_counter() - t0)
+    return RegenerateResult(
+        str(out), len(done) + generated, generated, skipped, truncated, ntok, time.perf_counter() - t0
+    )

@@ -9,14 +9,14 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
-from drafter.batching import collate
-from drafter.config import TrainConfig
-from pipeline.errors import ConfigError
+from dflash_pipeline.drafter.batching import collate
+from dflash_pipeline.drafter.config import TrainConfig
+from dflash_pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,17 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.devic
     while True:
         sampler.set_epoch(epoch)
         idx = list(sampler)
-        batches = [idx[i:i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+        batches = [idx[i : i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
         skip = min(max(start - epoch * len(batches), 0), len(batches))
         if skip < len(batches):
-            yield from DataLoader(ds, batch_sampler=batches[skip:], collate_fn=collate, num_workers=cfg.num_workers,
-                                  pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.num_workers else None)
+            yield from DataLoader(
+                ds,
+                batch_sampler=batches[skip:],
+                collate_fn=collate,
+                num_workers=cfg.num_workers,
+                pin_memory=device.type == "cuda",
+                prefetch_factor=4 if cfg.num_workers else None,
+            )
         epoch += 1
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafter.config import TrainConfig
-from drafter.model import FULL, SLIDING, DraftSpec
-from pipeline.errors import ConfigError
-from target.modelfiles import read_model_config
+from dflash_pipeline.drafter.config import TrainConfig
+from dflash_pipeline.drafter.model import FULL, SLIDING, DraftSpec
+from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.extraction.modelfiles import read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,10 @@ def _final_norm(model) -> nn.Module:
     base = getattr(model, "model", None) or model.get_decoder()
     norm = getattr(base, "norm", None)
     if norm is None:
-        raise ConfigError(f"{type(model).__name__} has no model.norm; the drafter needs the target's final "
-                          "norm for distillation and evaluation")
+        raise ConfigError(
+            f"{type(model).__name__} has no model.norm; the drafter needs the target's final "
+            "norm for distillation and evaluation"
+        )
     return norm
 
 
@@ -68,7 +70,7 @@ def _read_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
 
 def _by_suffix(model_path: str) -> dict[str, str] | None:
     """Names of the embedding and lm_head tensors when the usual HF names make them unambiguous."""
-    from target.modelfiles import safetensors_header
+    from dflash_pipeline.extraction.modelfiles import safetensors_header
 
     keys = [k for f in sorted(Path(model_path).glob("*.safetensors")) for k in safetensors_header(f)]
     emb = [k for k in keys if k.endswith("embed_tokens.weight")]
@@ -80,8 +82,9 @@ def _by_suffix(model_path: str) -> dict[str, str] | None:
     return {"embed": emb[0], "lm_head": head[0] if head else emb[0]}
 
 
-def load_target_head(model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                     need_norm: bool = True) -> TargetHead:
+def load_target_head(
+    model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, need_norm: bool = True
+) -> TargetHead:
     """Without `need_norm` (no distillation) the target's modeling code is not even imported: the two
     matrices are found by their usual names. Otherwise the module names come from a meta skeleton."""
     if not need_norm and (names := _by_suffix(model_path)):
@@ -95,8 +98,11 @@ def load_target_head(model_path: str, device: str | torch.device = "cpu", dtype:
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    modules = {"embed": skeleton.get_input_embeddings(), "norm": _final_norm(skeleton),
-               "lm_head": skeleton.get_output_embeddings()}
+    modules = {
+        "embed": skeleton.get_input_embeddings(),
+        "norm": _final_norm(skeleton),
+        "lm_head": skeleton.get_output_embeddings(),
+    }
     qual = {id(m): n for n, m in skeleton.named_modules()}
     keys = {k: f"{qual[id(m)]}.weight" for k, m in modules.items()}
     found = _read_tensors(model_path, list(keys.values()))
@@ -118,9 +124,11 @@ def mask_token_id(tokenizer, mask_token: str | int, vocab_size: int) -> int:
     else:
         tid = tokenizer.convert_tokens_to_ids(mask_token)
         if tid is None or tid == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(tid) != mask_token:
-            raise ConfigError(f"train.mask_token={mask_token!r} is not a single token of the tokenizer; give "
-                              "an existing special token or a token id inside the embedding (e.g. one past "
-                              "the tokenizer's vocabulary)")
+            raise ConfigError(
+                f"train.mask_token={mask_token!r} is not a single token of the tokenizer; give "
+                "an existing special token or a token id inside the embedding (e.g. one past "
+                "the tokenizer's vocabulary)"
+            )
     if not 0 <= tid < vocab_size:
         raise ConfigError(f"train.mask_token id {tid} is outside the target's embedding (vocab_size {vocab_size})")
     return int(tid)
@@ -137,21 +145,31 @@ def draft_spec(model_path: str, layer_ids: list[int], cfg: TrainConfig, mask_id:
         chosen = range(n) if cfg.sliding_layers is None else cfg.sliding_layers
         bad = [i for i in chosen if i >= n]
         if bad:
-            raise ConfigError(f"train.sliding_layers={cfg.sliding_layers} names layer(s) {bad}, but the drafter "
-                              f"has {n} layers (train.num_draft_layers)")
+            raise ConfigError(
+                f"train.sliding_layers={cfg.sliding_layers} names layer(s) {bad}, but the drafter "
+                f"has {n} layers (train.num_draft_layers)"
+            )
         for i in chosen:
             types[i] = SLIDING
     rope = t.get("rope_parameters") or {}
     return DraftSpec(
-        hidden_size=hidden, intermediate_size=int(t.get("intermediate_size", 4 * hidden)),
-        num_attention_heads=heads, num_key_value_heads=int(t.get("num_key_value_heads", heads)),
-        head_dim=int(t.get("head_dim") or hidden // heads), num_hidden_layers=n,
-        vocab_size=int(t["vocab_size"]), target_layer_ids=list(layer_ids),
-        num_target_layers=int(t["num_hidden_layers"]), block_size=cfg.block_size, mask_token_id=mask_id,
+        hidden_size=hidden,
+        intermediate_size=int(t.get("intermediate_size", 4 * hidden)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads", heads)),
+        head_dim=int(t.get("head_dim") or hidden // heads),
+        num_hidden_layers=n,
+        vocab_size=int(t["vocab_size"]),
+        target_layer_ids=list(layer_ids),
+        num_target_layers=int(t["num_hidden_layers"]),
+        block_size=cfg.block_size,
+        mask_token_id=mask_id,
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta") or t.get("rope_theta") or 1_000_000.0),
         max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
-        sliding_window=cfg.sliding_window, layer_types=types)
+        sliding_window=cfg.sliding_window,
+        layer_types=types,
+    )
 
 
 def spec_json(spec: DraftSpec) -> str:

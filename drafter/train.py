@@ -17,20 +17,20 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from drafter.batching import block_inputs, block_loss, sample_anchors
-from drafter.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_report
-from drafter.config import TrainConfig
-from drafter.export import export_drafter
-from drafter.model import DFlashDrafter
-from drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, micro_per_epoch, setup
-from drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
-from pipeline.errors import ConfigError
+from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors
+from dflash_pipeline.drafter.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_report
+from dflash_pipeline.drafter.config import TrainConfig
+from dflash_pipeline.drafter.export import export_drafter
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, micro_per_epoch, setup
+from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
+from dflash_pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, float, float], None]  # (step, total_steps, loss, tokens_per_s)
@@ -74,17 +74,26 @@ class _Job:
     flex: bool
 
 
-def _build(cfg: TrainConfig, store_root, target_path: str, version, tokenizer_path, dev: torch.device,
-           store_options: dict | None = None) -> _Job:
-    from storage.reader import HiddenStateDataset
-    from target.modelfiles import read_model_config
+def _build(
+    cfg: TrainConfig,
+    store_root,
+    target_path: str,
+    version,
+    tokenizer_path,
+    dev: torch.device,
+    store_options: dict | None = None,
+) -> _Job:
+    from dflash_pipeline.extraction.modelfiles import read_model_config
+    from dflash_pipeline.storage.reader import HiddenStateDataset
 
     ds = HiddenStateDataset(store_root, version, store_options)
     if len(ds) == 0:
         raise ConfigError(f"the store {store_root} (version {ds.version}) holds no committed samples to train on")
     if cfg.distill and "last_hidden" not in ds[0]:
-        raise ConfigError("train.distill=true needs the target's last hidden state in the store: re-extract with "
-                          "layers.capture_last=true, or set train.distill=false")
+        raise ConfigError(
+            "train.distill=true needs the target's last hidden state in the store: re-extract with "
+            "layers.capture_last=true, or set train.distill=false"
+        )
     tok = None
     if isinstance(cfg.mask_token, str):
         from transformers import AutoTokenizer
@@ -94,9 +103,11 @@ def _build(cfg: TrainConfig, store_root, target_path: str, version, tokenizer_pa
     vocab = int((mc.get("text_config") or mc)["vocab_size"])
     spec = draft_spec(target_path, ds.layer_ids, cfg, mask_token_id(tok, cfg.mask_token, vocab))
     if int(ds.attrs["hidden_size"]) != spec.hidden_size:
-        raise ConfigError(f"the store's hidden_size {ds.attrs['hidden_size']} differs from the target's "
-                          f"{spec.hidden_size} ({target_path}): the store was extracted from another model")
-    from drafter import flex
+        raise ConfigError(
+            f"the store's hidden_size {ds.attrs['hidden_size']} differs from the target's "
+            f"{spec.hidden_size} ({target_path}): the store was extracted from another model"
+        )
+    from dflash_pipeline.drafter import flex
 
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and dev.type == "cuda" and flex.available())
     if use_flex and dev.type != "cuda":
@@ -113,23 +124,37 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
     anchors, keep = sample_anchors(batch["loss_mask"], cfg.anchors_per_sample, torch.Generator().manual_seed(seed))
     b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
     anchors, keep = anchors.to(dev), keep.to(dev)
-    blk = block_inputs(b["input_ids"], b["loss_mask"], anchors, keep, job.spec.block_size, job.spec.mask_token_id,
-                       cfg.gamma)
+    blk = block_inputs(
+        b["input_ids"], b["loss_mask"], anchors, keep, job.spec.block_size, job.spec.mask_token_id, cfg.gamma
+    )
     t = b["input_ids"].shape[1]
     ctx_pos = torch.arange(t, device=dev).expand(len(anchors), t)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
     with contextlib.nullcontext() if sync else job.ddp.no_sync():  # forward and backward inside
         with autocast:
-            out = job.ddp(b["hidden"].to(job.compute), job.head.embed(blk["block_ids"]), ctx_pos, blk["block_pos"],
-                          job.model.block_masks(anchors, keep, t, job.flex))
+            out = job.ddp(
+                b["hidden"].to(job.compute),
+                job.head.embed(blk["block_ids"]),
+                ctx_pos,
+                blk["block_pos"],
+                job.model.block_masks(anchors, keep, t, job.flex),
+            )
             loss, stats = block_loss(out, job.head, blk, b["last_hidden"].to(job.compute) if cfg.distill else None)
         (loss * scale).backward()
     return loss.item(), stats
 
 
-def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir: str | Path | None = None, *,
-          version: str | None = None, tokenizer_path: str | None = None, progress: Progress | None = None,
-          store_options: dict | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    store_root: str | Path,
+    target_path: str,
+    output_dir: str | Path | None = None,
+    *,
+    version: str | None = None,
+    tokenizer_path: str | None = None,
+    progress: Progress | None = None,
+    store_options: dict | None = None,
+) -> TrainResult:
     """Train (or resume from the latest checkpoint in output_dir) and export to <output_dir>/export.
     `store_root`: a local path or s3://bucket/prefix (with its non-secret `store_options`)."""
     if not (output_dir or cfg.output_dir):
@@ -139,8 +164,7 @@ def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir
     torch.manual_seed(cfg.seed)
     job = _build(cfg, store_root, target_path, version, tokenizer_path, d.device, store_options)
     model = job.model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=d.device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda")
     total = math.ceil(math.ceil(cfg.epochs * micro_per_epoch(len(job.ds), d.world, cfg.batch_size)) / cfg.grad_accum)
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
@@ -158,8 +182,15 @@ def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir
 
     def save(step: int) -> None:
         if d.rank == 0:
-            save_checkpoint(out, step, model, opt, sched, {"spec": sj, "total_steps": total, "history": history},
-                            cfg.keep_checkpoints)
+            save_checkpoint(
+                out,
+                step,
+                model,
+                opt,
+                sched,
+                {"spec": sj, "total_steps": total, "history": history},
+                cfg.keep_checkpoints,
+            )
         if d.world > 1:
             torch.distributed.barrier()
 
@@ -175,9 +206,13 @@ def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir
                 batch = next(batches)
                 wait += time.perf_counter() - tw
                 seed = (cfg.seed * 1_000_003 + step * cfg.grad_accum + micro) * 1009 + d.rank
-                loss, st = _micro_step(job, batch, seed, d.world == 1 or micro == cfg.grad_accum - 1, 1 / cfg.grad_accum)
-                sums += torch.tensor([loss / cfg.grad_accum, float(batch["lengths"].sum()), st["tokens"],
-                                      st["correct"], 0.0], dtype=torch.float64)
+                loss, st = _micro_step(
+                    job, batch, seed, d.world == 1 or micro == cfg.grad_accum - 1, 1 / cfg.grad_accum
+                )
+                sums += torch.tensor(
+                    [loss / cfg.grad_accum, float(batch["lengths"].sum()), st["tokens"], st["correct"], 0.0],
+                    dtype=torch.float64,
+                )
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
@@ -193,8 +228,15 @@ def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir
             tokens += float(sums[1])
             tps = tokens / max(time.perf_counter() - t0, 1e-9)
             if step % cfg.log_every == 0 or step == total:
-                history.append({"step": step, "loss": float(sums[0]), "acc": float(sums[3] / max(sums[2], 1)),
-                                "lr": sched.get_last_lr()[0], "tokens_per_s": tps})
+                history.append(
+                    {
+                        "step": step,
+                        "loss": float(sums[0]),
+                        "acc": float(sums[3] / max(sums[2], 1)),
+                        "lr": sched.get_last_lr()[0],
+                        "tokens_per_s": tps,
+                    }
+                )
                 if progress and d.rank == 0:
                     progress(step, total, float(sums[0]), tps)
             interrupted = bool(sums[4] > 0)
@@ -203,16 +245,37 @@ def train(cfg: TrainConfig, store_root: str | Path, target_path: str, output_dir
     elapsed = time.perf_counter() - t0
     last = history[-10:]
     result = TrainResult(
-        output_dir=str(out), export_dir=None, start_step=start, steps=step, total_steps=total, interrupted=interrupted,
+        output_dir=str(out),
+        export_dir=None,
+        start_step=start,
+        steps=step,
+        total_steps=total,
+        interrupted=interrupted,
         first_loss=history[0]["loss"] if history else None,
         final_loss=sum(h["loss"] for h in last) / len(last) if last else None,
-        tokens_per_s=tokens / max(elapsed, 1e-9), data_wait_fraction=wait / max(elapsed, 1e-9), elapsed_s=elapsed,
-        world_size=d.world, device=str(d.device), history=history)
+        tokens_per_s=tokens / max(elapsed, 1e-9),
+        data_wait_fraction=wait / max(elapsed, 1e-9),
+        elapsed_s=elapsed,
+        world_size=d.world,
+        device=str(d.device),
+        history=history,
+    )
     if d.rank == 0:
         if not interrupted:
-            result.export_dir = str(export_drafter(model, out / "export", {
-                "train_config": cfg.model_dump(mode="json"), "store": str(store_root), "store_version": job.ds.version,
-                "target": target_path, "steps": step, "final_loss": result.final_loss}))
+            result.export_dir = str(
+                export_drafter(
+                    model,
+                    out / "export",
+                    {
+                        "train_config": cfg.model_dump(mode="json"),
+                        "store": str(store_root),
+                        "store_version": job.ds.version,
+                        "target": target_path,
+                        "steps": step,
+                        "final_loss": result.final_loss,
+                    },
+                )
+            )
         paths = write_report(out, history, {k: v for k, v in result.to_dict().items() if k != "history"})
         result.metrics_path, result.plot_path = paths["metrics"], paths["plot"]
     if d.owns_group:
@@ -228,8 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m drafter.train JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(args[0]).read_text())
-    res = train(TrainConfig.model_validate(job.get("train", {})), job["store"], job["target"], job.get("output_dir"),
-                version=job.get("version"), tokenizer_path=job.get("tokenizer"), store_options=job.get("store_options"))
+    res = train(
+        TrainConfig.model_validate(job.get("train", {})),
+        job["store"],
+        job["target"],
+        job.get("output_dir"),
+        version=job.get("version"),
+        tokenizer_path=job.get("tokenizer"),
+        store_options=job.get("store_options"),
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         Path(res.output_dir, "result.json").write_text(json.dumps(res.to_dict(), indent=2))
     return 143 if res.interrupted else 0

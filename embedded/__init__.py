@@ -10,7 +10,7 @@ EMBEDDED = "embedded"
 
 def resolve_source(source: str) -> str:
     if source == EMBEDDED:
-        from embedded.build import CONVERSATIONS
+        from dflash_pipeline.embedded.build import CONVERSATIONS
 
         return str(CONVERSATIONS)
     return source
@@ -18,13 +18,13 @@ def resolve_source(source: str) -> str:
 
 def resolve_model(path: str) -> str:
     if path == EMBEDDED:
-        from embedded.build import ensure_built
+        from dflash_pipeline.embedded.build import ensure_built
 
         return str(ensure_built())
     return str(Path(path).expanduser())
 
 
 def heldout_prompts() -> Path:
-    from embedded.build import HELDOUT_PROMPTS
+    from dflash_pipeline.embedded.build import HELDOUT_PROMPTS
 
     return HELDOUT_PROMPTS

@@ -166,7 +166,9 @@ def build_model(out: Path, tokenizer, steps: int = TRAIN_STEPS) -> None:
         ids = _training_ids(tokenizer)
         gen = torch.Generator().manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * s / steps))
+        )
         model.train()
         for step in range(steps):
             starts = torch.randint(0, len(ids) - TRAIN_SEQ - 1, (TRAIN_BATCH,), generator=gen)
@@ -191,8 +193,10 @@ def _build(out: Path) -> None:
         for name in ("config.json", "generation_config.json", "model.safetensors"):
             shutil.copy(SHIPPED / name, out / name)
         return
-    log.warning("the shipped embedded target does not match this tokenizer (another `tokenizers` version?); "
-                "training it here, which takes several minutes")
+    log.warning(
+        "the shipped embedded target does not match this tokenizer (another `tokenizers` version?); "
+        "training it here, which takes several minutes"
+    )
     build_model(out, tokenizer)
 
 

@@ -28,8 +28,24 @@ SYSTEMS = [
 ANIMALS = ["fox", "owl", "otter", "heron", "lynx", "badger", "falcon", "newt", "moth", "crane"]
 COLORS = ["red", "blue", "green", "silver", "amber", "violet", "grey", "golden"]
 PLACES = ["the forest", "the river", "the mountains", "the desert", "the marsh", "the coast"]
-WORDS = ["apple", "river", "stone", "cloud", "window", "garden", "pencil", "planet", "summer", "bridge",
-         "candle", "rocket", "meadow", "violin", "harbor", "lantern"]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "window",
+    "garden",
+    "pencil",
+    "planet",
+    "summer",
+    "bridge",
+    "candle",
+    "rocket",
+    "meadow",
+    "violin",
+    "harbor",
+    "lantern",
+]
 
 
 def _arith(rng: random.Random) -> list[tuple[str, str]]:
@@ -49,11 +65,19 @@ def _arith(rng: random.Random) -> list[tuple[str, str]]:
 
 def _sorting(rng: random.Random) -> list[tuple[str, str]]:
     nums = [rng.randint(1, 60) for _ in range(rng.randint(3, 7))]
-    turns = [(f"Sort these numbers: {', '.join(map(str, nums))}",
-              f"Sorted in ascending order: {', '.join(map(str, sorted(nums)))}.")]
+    turns = [
+        (
+            f"Sort these numbers: {', '.join(map(str, nums))}",
+            f"Sorted in ascending order: {', '.join(map(str, sorted(nums)))}.",
+        )
+    ]
     if rng.random() < 0.5:
-        turns.append(("Now in descending order, please.",
-                      f"Sorted in descending order: {', '.join(map(str, sorted(nums, reverse=True)))}."))
+        turns.append(
+            (
+                "Now in descending order, please.",
+                f"Sorted in descending order: {', '.join(map(str, sorted(nums, reverse=True)))}.",
+            )
+        )
     if rng.random() < 0.4:
         turns.append(("What is the largest one?", f"The largest number is {max(nums)}."))
     return turns
@@ -72,9 +96,13 @@ def _words(rng: random.Random) -> list[tuple[str, str]]:
 def _facts(rng: random.Random) -> list[tuple[str, str]]:
     color, animal, place = rng.choice(COLORS), rng.choice(ANIMALS), rng.choice(PLACES)
     n = rng.randint(2, 12)
-    turns = [(f"Tell me about the {color} {animal}.",
-              f"The {color} {animal} lives in {place}. It travels in groups of about {n} "
-              f"and is most active at dawn. Its {color} coat helps it hide from larger animals.")]
+    turns = [
+        (
+            f"Tell me about the {color} {animal}.",
+            f"The {color} {animal} lives in {place}. It travels in groups of about {n} "
+            f"and is most active at dawn. Its {color} coat helps it hide from larger animals.",
+        )
+    ]
     if rng.random() < 0.6:
         turns.append((f"Where does the {color} {animal} live?", f"The {color} {animal} lives in {place}."))
     if rng.random() < 0.4:
@@ -88,9 +116,13 @@ def _lists(rng: random.Random) -> list[tuple[str, str]]:
     body = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
     turns = [(f"Give me a numbered list of {k} words.", f"Here is a list of {k} words:\n{body}")]
     if rng.random() < 0.5:
-        turns.append(("Which one comes first in the alphabet?",
-                      f"<think>\nI compare the words and find the smallest.\n</think>\n\n"
-                      f"The first in alphabetical order is {min(items)}."))
+        turns.append(
+            (
+                "Which one comes first in the alphabet?",
+                f"<think>\nI compare the words and find the smallest.\n</think>\n\n"
+                f"The first in alphabetical order is {min(items)}.",
+            )
+        )
     return turns
 
 

@@ -14,13 +14,13 @@ from prefect import flow
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
-from pipeline.config import RunConfig
-from storage.store import PlanResult
-from target.extract import WorkerResult
-from target.placement import replica_devices
-from target.plan import assign_units
-from target.probe import ProbeReport
-from tasks.extract import extract_worker_task
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.extraction.extract import WorkerResult
+from dflash_pipeline.extraction.placement import replica_devices
+from dflash_pipeline.extraction.plan import assign_units
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.storage.store import PlanResult
+from dflash_pipeline.tasks.extract import extract_worker_task
 
 
 def _ray_workers(cfg: RunConfig, report: ProbeReport) -> tuple[int, dict]:
@@ -39,8 +39,9 @@ def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: i
     assignment = assign_units(plan.pending_units, [f"ray:{i}" for i in range(n)])
     worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
     with remote_options(**resources):
-        futures = [worker.submit(cfg, report, plan.version, units, device, pad_id)
-                   for device, units in assignment.items()]
+        futures = [
+            worker.submit(cfg, report, plan.version, units, device, pad_id) for device, units in assignment.items()
+        ]
     return [f.result() for f in futures]
 
 

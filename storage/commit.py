@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 # Test-only fault injection: "point:n" SIGKILLs this process at the n-th time `point` is reached.
 # Used by the kill tests to crash at exact places (inside a forward, after a shard write, mid-commit).

@@ -23,9 +23,11 @@ import torch
 FORMAT_VERSION = 1
 # A unit's commit record before its first commit (commit.json absent).
 NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
-LAYER_CONVENTION = ("decoder-layer index i; value = output of decoder layer i before any final norm, which is HF "
-                    "output_hidden_states[i + 1] (for the last layer HF gives the post-norm value instead); "
-                    "layers concatenated in target_layer_ids order along axis 1")
+LAYER_CONVENTION = (
+    "decoder-layer index i; value = output of decoder layer i before any final norm, which is HF "
+    "output_hidden_states[i + 1] (for the last layer HF gives the post-norm value instead); "
+    "layers concatenated in target_layer_ids order along axis 1"
+)
 
 # logical dtype -> (numpy dtype stored in Zarr, torch dtype)
 DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
@@ -57,7 +59,8 @@ def compressors(name: str, itemsize: int) -> list:
     if name == "none":
         return [Crc32cCodec()]
     if name == "zstd":
-        # Measured best for bf16 (DESIGN.md s5): zstd level 1, byte shuffle, 1 MiB blocks; ratio ~1.45.
+        # Measured best for bf16 (docs/ARCHITECTURE.md, "Field facts"): zstd level 1, byte shuffle,
+        # 1 MiB blocks; ratio ~1.45.
         codec = BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=itemsize, blocksize=1 << 20)
     elif name == "lz4":
         codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize, blocksize=1 << 20)

@@ -25,12 +25,13 @@ import os
 import shutil
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
-from pipeline.errors import StoreError
-from storage import commit
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import commit
 
 Buffers = Sequence[Any]  # bytes-like pieces written one after the other
 
@@ -39,21 +40,25 @@ def is_remote(url: str | Path) -> bool:
     return "://" in str(url) and not str(url).startswith("file://")
 
 
-def open_location(url: str | Path, options: dict[str, Any] | None = None) -> "Location":
+def open_location(url: str | Path, options: dict[str, Any] | None = None) -> Location:
     """`url`: a local path, file:///path, or s3://bucket[/prefix]."""
     url = str(url)
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if not is_remote(url):
         if options:
-            raise StoreError(f"store_options {sorted(options)} were given for the local store path {url}; they "
-                             "only apply to an s3:// store_path")
+            raise StoreError(
+                f"store_options {sorted(options)} were given for the local store path {url}; they "
+                "only apply to an s3:// store_path"
+            )
         return LocalLocation(Path(url))
     scheme = url.split("://", 1)[0]
     if scheme not in ("s3", "s3a"):
-        raise StoreError(f"store path {url}: only local paths and s3:// URLs (AWS S3, MinIO and other "
-                         f"S3-compatible object storage) are supported, not {scheme}://")
-    from storage.s3 import S3Location  # s3fs is imported only for an s3:// store
+        raise StoreError(
+            f"store path {url}: only local paths and s3:// URLs (AWS S3, MinIO and other "
+            f"S3-compatible object storage) are supported, not {scheme}://"
+        )
+    from dflash_pipeline.storage.s3 import S3Location  # s3fs is imported only for an s3:// store
 
     return S3Location(url, dict(options or {}))
 
@@ -64,7 +69,7 @@ class Location(ABC):
     url: str
 
     @abstractmethod
-    def child(self, rel: str) -> "Location": ...
+    def child(self, rel: str) -> Location: ...
 
     @abstractmethod
     def url_of(self, rel: str = "") -> str: ...
@@ -131,6 +136,7 @@ class Location(ABC):
 
 # ---- local directory ------------------------------------------------------------------------------
 
+
 class LocalLocation(Location):
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -139,7 +145,7 @@ class LocalLocation(Location):
     def _p(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
 
-    def child(self, rel: str) -> "LocalLocation":
+    def child(self, rel: str) -> LocalLocation:
         return LocalLocation(self._p(rel))
 
     def url_of(self, rel: str = "") -> str:
@@ -180,8 +186,12 @@ class LocalLocation(Location):
     def copy_tree(self, src: str, dst: str) -> None:
         # Hard links: no data copied (falls back to a copy across filesystems).
         top = self._p(src)
-        shutil.copytree(top, self._p(dst), copy_function=_link_or_copy,
-                        ignore=lambda d, names: ["zarr.json"] if Path(d) == top else [])
+        shutil.copytree(
+            top,
+            self._p(dst),
+            copy_function=_link_or_copy,
+            ignore=lambda d, names: ["zarr.json"] if Path(d) == top else [],
+        )
         if (top / "zarr.json").exists():
             _link_or_copy(str(top / "zarr.json"), str(self._p(dst) / "zarr.json"))
 
@@ -208,8 +218,10 @@ class LocalLocation(Location):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise StoreError(f"store path {self.root} cannot be written ({e.strerror}); choose another "
-                             "store_path or fix its permissions") from e
+            raise StoreError(
+                f"store path {self.root} cannot be written ({e.strerror}); choose another "
+                "store_path or fix its permissions"
+            ) from e
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from storage.layout import from_storage
-from storage.store import Store
+from dflash_pipeline.storage.layout import from_storage
+from dflash_pipeline.storage.store import Store
 
 
 @dataclass(frozen=True)

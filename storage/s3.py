@@ -10,18 +10,21 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from pipeline.errors import StoreError
-from storage.location import Buffers, Location
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.location import Buffers, Location
 
 log = logging.getLogger(__name__)
 
 S3_INSTALL_HINT = "pip install 'dflash-pipeline[s3]' (or pip install s3fs)"
-CREDENTIAL_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
-                   "credentials), or AWS_PROFILE with ~/.aws/credentials, or run with an instance role; "
-                   "credentials are never read from the run config")
+CREDENTIAL_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
+    "credentials), or AWS_PROFILE with ~/.aws/credentials, or run with an instance role; "
+    "credentials are never read from the run config"
+)
 
 LEASE_S = 60.0  # a store lease not renewed for this long is taken over (its holder died)
 _PROBE_CONFIG = {"connect_timeout": 3, "read_timeout": 10, "retries": {"max_attempts": 1}}
@@ -65,9 +68,13 @@ class _S3Conn:
 
     def endpoint(self) -> str:
         o = self.options
-        return (o.get("endpoint_url") or o.get("client_kwargs", {}).get("endpoint_url")
-                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                or "the default AWS S3 endpoint")
+        return (
+            o.get("endpoint_url")
+            or o.get("client_kwargs", {}).get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "the default AWS S3 endpoint"
+        )
 
 
 def _close_async_fs(fs, pid: int) -> None:
@@ -105,7 +112,7 @@ class S3Location(Location):
         key = self._p(rel).partition("/")[2]
         return key + "/" if key else ""
 
-    def child(self, rel: str) -> "S3Location":
+    def child(self, rel: str) -> S3Location:
         return S3Location(f"s3://{self._p(rel)}", self.conn.options, self.conn)
 
     def url_of(self, rel: str = "") -> str:
@@ -163,7 +170,7 @@ class S3Location(Location):
         files = self._files(src)
         for batch in ([f for f in files if f != f"{top}/zarr.json"], [f for f in files if f == f"{top}/zarr.json"]):
             if batch:
-                self.fs.copy(batch, [to + f[len(top):] for f in batch])
+                self.fs.copy(batch, [to + f[len(top) :] for f in batch])
 
     def zarr_store(self, rel: str = "", read_only: bool = False):
         from zarr.storage import FsspecStore
@@ -206,16 +213,28 @@ class S3Location(Location):
         code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
         if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
             return StoreError(f"no AWS credentials found for {where}: {CREDENTIAL_HINT}")
-        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
-                    "ProxyConnectionError", "SSLError") or isinstance(e, (ConnectionError, TimeoutError)):
-            return StoreError(f"object storage unreachable for {where}: {e}. Check that the server runs and that "
-                              "store_options.endpoint_url (or AWS_ENDPOINT_URL) names it")
+        if name in (
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ConnectionClosedError",
+            "ReadTimeoutError",
+            "ProxyConnectionError",
+            "SSLError",
+        ) or isinstance(e, (ConnectionError, TimeoutError)):
+            return StoreError(
+                f"object storage unreachable for {where}: {e}. Check that the server runs and that "
+                "store_options.endpoint_url (or AWS_ENDPOINT_URL) names it"
+            )
         if isinstance(e, FileNotFoundError) or code == "NoSuchBucket":
-            return StoreError(f"bucket {self.bucket!r} does not exist for {where}: create it (e.g. `aws s3 mb "
-                              f"s3://{self.bucket}`) or fix store_path")
+            return StoreError(
+                f"bucket {self.bucket!r} does not exist for {where}: create it (e.g. `aws s3 mb "
+                f"s3://{self.bucket}`) or fix store_path"
+            )
         if isinstance(e, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return StoreError(f"access denied to {where} ({e}): check the credentials ({CREDENTIAL_HINT}) and that "
-                              f"they may {'write' if write else 'read'} this bucket")
+            return StoreError(
+                f"access denied to {where} ({e}): check the credentials ({CREDENTIAL_HINT}) and that "
+                f"they may {'write' if write else 'read'} this bucket"
+            )
         return StoreError(f"{where} cannot be {'written' if write else 'read'}: {name}: {e}")
 
 
@@ -258,8 +277,10 @@ class _Lease:
         current = json.loads(self.fs.cat_file(self.path))
         expires = current.get("expires", 0)
         if expires > time.time():
-            raise self.busy(f"{current.get('holder', 'unknown')}; its lease is renewed while it runs and "
-                            f"expires at {_utc(expires)} if it died")
+            raise self.busy(
+                f"{current.get('holder', 'unknown')}; its lease is renewed while it runs and "
+                f"expires at {_utc(expires)} if it died"
+            )
         try:
             out = self.fs.pipe_file(self.path, self._body(), IfMatch=etag)
         except OSError:  # another run took it over first

@@ -30,15 +30,15 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from pipeline.errors import StoreError
+from dflash_pipeline.errors import StoreError
 
 _EMPTY = np.uint64(2**64 - 1)  # the sharding index's marker for a chunk not stored
-_ROOT = Path(__file__).resolve().parents[1]
 
 
 def encode_shard(rows: np.ndarray, shard_rows: int, chunk_rows: int, blosc) -> list:
@@ -66,6 +66,7 @@ def encode_shard(rows: np.ndarray, shard_rows: int, chunk_rows: int, blosc) -> l
 
 
 # ---- shard buffers in shared memory -----------------------------------------------------------------
+
 
 def _shm_dir() -> Path:
     p = Path("/dev/shm")
@@ -97,7 +98,7 @@ class SharedBuffers:
         self._unpin: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         for f in self.dir.glob(f"{self.PREFIX}*"):
-            pid = f.name[len(self.PREFIX):].split("-", 1)[0]
+            pid = f.name[len(self.PREFIX) :].split("-", 1)[0]
             if pid.isdigit() and not _alive(int(pid)):
                 f.unlink(missing_ok=True)
 
@@ -110,11 +111,13 @@ class SharedBuffers:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 path.unlink(missing_ok=True)
-                raise StoreError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {self.dir} for a store-writer "
-                                 f"shard buffer ({e.strerror}). A GPU worker's writer processes need about "
-                                 "(writers + 2) shard buffers of shared memory: enlarge /dev/shm (docker run "
-                                 "--shm-size with at least 3 GiB per GPU), lower extract.shard_mib, or set "
-                                 "extract.store_writers: threads") from e
+                raise StoreError(
+                    f"cannot reserve {nbytes / 2**20:.0f} MiB in {self.dir} for a store-writer "
+                    f"shard buffer ({e.strerror}). A GPU worker's writer processes need about "
+                    "(writers + 2) shard buffers of shared memory: enlarge /dev/shm (docker run "
+                    "--shm-size with at least 3 GiB per GPU), lower extract.shard_mib, or set "
+                    "extract.store_writers: threads"
+                ) from e
             mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
@@ -146,6 +149,7 @@ class SharedBuffers:
 
 # ---- the writer processes ---------------------------------------------------------------------------
 
+
 def _send(f, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     f.write(struct.pack("<Q", len(data)) + data)
@@ -169,9 +173,15 @@ class ShardProcesses:
 
     def __init__(self, n: int):
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
-        self._procs = [subprocess.Popen([sys.executable, "-m", "storage.shardio"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env) for _ in range(max(1, n))]
+        self._procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dflash_pipeline.storage.shardio"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            for _ in range(max(1, n))
+        ]
         self._idle: queue.Queue = queue.Queue()
         for p in self._procs:
             self._idle.put(p)
@@ -179,17 +189,27 @@ class ShardProcesses:
     def __len__(self) -> int:
         return len(self._procs)
 
-    def write_shard(self, loc, key: str, buffer: tuple[str, tuple[int, ...], str], n_rows: int, shard_rows: int,
-                    chunk_rows: int, blosc_config: dict | None) -> None:
+    def write_shard(
+        self,
+        loc,
+        key: str,
+        buffer: tuple[str, tuple[int, ...], str],
+        n_rows: int,
+        shard_rows: int,
+        chunk_rows: int,
+        blosc_config: dict | None,
+    ) -> None:
         """Rows [0, n_rows) of the shared `buffer` (SharedBuffers.where) as one shard at `key` of `loc`."""
         p = self._idle.get()
         try:
             _send(p.stdin, (loc, key, buffer, n_rows, shard_rows, chunk_rows, blosc_config))
             ok, err = _recv(p.stdout)
         except (BrokenPipeError, EOFError):
-            raise RuntimeError(f"store-writer process {p.pid} died (exit code {p.wait()}); its shard was not "
-                               "committed, and a rerun redoes it. Check the host's memory (the OOM killer) "
-                               "and the worker's log") from None
+            raise RuntimeError(
+                f"store-writer process {p.pid} died (exit code {p.wait()}); its shard was not "
+                "committed, and a rerun redoes it. Check the host's memory (the OOM killer) "
+                "and the worker's log"
+            ) from None
         finally:
             self._idle.put(p)
         if not ok:

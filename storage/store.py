@@ -11,22 +11,30 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from pipeline.errors import StoreError
-from storage.layout import DTYPES, FORMAT_VERSION, NOTHING_COMMITTED, chunking, compressors
-from storage.location import Location, open_location
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, NOTHING_COMMITTED, chunking, compressors
+from dflash_pipeline.storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
 
 # Attributes that must match for two runs to share one store version.
-IDENTITY_KEYS = ("model_config_hash", "weights_fingerprint", "layer_ids", "capture_last", "logical_dtype",
-                 "hidden_size", "format_version")
+IDENTITY_KEYS = (
+    "model_config_hash",
+    "weights_fingerprint",
+    "layer_ids",
+    "capture_last",
+    "logical_dtype",
+    "hidden_size",
+    "format_version",
+)
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,7 @@ class Store:
         missing credentials or bucket)."""
         self.loc.check(write=True)
 
-    def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool,
-                        incremental: bool) -> str:
+    def resolve_version(self, provenance: dict[str, Any], dataset_fp: str, new_version: bool, incremental: bool) -> str:
         """The version this run writes into.
 
         - the newest version with the same identity, if it already holds this dataset (resume / no-op);
@@ -109,7 +116,8 @@ class Store:
                 raise StoreError(
                     f"store {self.loc.url_of(v)} was made from dataset(s) {attrs['dataset_fingerprints']}, "
                     f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
-                    "its new rows to this store, or use another store_path")
+                    "its new rows to this store, or use another store_path"
+                )
             target = self._snapshot(v) if v == self.current() else v
             g = self.open_version(target, mode="r+")
             g.attrs["dataset_fingerprints"] = list(g.attrs["dataset_fingerprints"]) + [dataset_fp]
@@ -118,13 +126,16 @@ class Store:
             last = self.attrs(versions[-1])
             diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
             shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
-            raise StoreError(f"store {self.url} was made with another model or layer set ({shown}). "
-                             "Refusing to mix them. Set extract.new_version=true to start a new store "
-                             "version beside it, or use another store_path")
+            raise StoreError(
+                f"store {self.url} was made with another model or layer set ({shown}). "
+                "Refusing to mix them. Set extract.new_version=true to start a new store "
+                "version beside it, or use another store_path"
+            )
         name = self._new_version_name()
         g = self.loc.open_group(name, mode="w-")
-        g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION,
-                        "created": _now()})
+        g.attrs.update(
+            {**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION, "created": _now()}
+        )
         g.create_group("units")
         log.info("created store version %s", self.loc.url_of(name))
         return name
@@ -162,9 +173,13 @@ class Store:
     def lock(self) -> Iterator[None]:
         """Exclusive use of this store by one run (plan, extract, validate, promote)."""
         self.check_writable()
-        with self.loc.lock(".lock", f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
-                           lambda holder: StoreError(f"store {self.url} is in use by another run ({holder}); "
-                                                     "wait for it to finish or use another store_path")):
+        with self.loc.lock(
+            ".lock",
+            f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
+            lambda holder: StoreError(
+                f"store {self.url} is in use by another run ({holder}); wait for it to finish or use another store_path"
+            ),
+        ):
             yield
 
     # ---- units ----------------------------------------------------------------------------------
@@ -181,8 +196,11 @@ class Store:
         return self.loc.open_group(self._unit_rel(version, unit), mode)
 
     def units(self, version: str) -> list[str]:
-        return [u for u in self.loc.list_dirs(f"{version}/units")
-                if self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json")]
+        return [
+            u
+            for u in self.loc.list_dirs(f"{version}/units")
+            if self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json")
+        ]
 
     def unit_attrs(self, version: str, unit: str) -> dict[str, Any]:
         return dict(self.open_unit(version, unit).attrs)
@@ -190,9 +208,17 @@ class Store:
     def commit_record(self, version: str, unit: str) -> dict[str, Any]:
         return self.loc.read_json(f"{self._unit_rel(version, unit)}/commit.json", dict(NOTHING_COMMITTED))
 
-    def plan_units(self, version: str, sample_ids: list[str], lengths: list[int],
-                   fetch: Callable[[list[int]], tuple[list, list]], unit_tokens: int, chunk_mib: float,
-                   shard_mib: float, compression: str) -> PlanResult:
+    def plan_units(
+        self,
+        version: str,
+        sample_ids: list[str],
+        lengths: list[int],
+        fetch: Callable[[list[int]], tuple[list, list]],
+        unit_tokens: int,
+        chunk_mib: float,
+        shard_mib: float,
+        compression: str,
+    ) -> PlanResult:
         """Create unit groups for samples not yet in any unit of this version.
 
         `fetch(rows)` returns (input_ids, loss_masks) of those prepared rows.
@@ -228,20 +254,49 @@ class Store:
         for gi, members in enumerate(groups):
             order = sorted(members, key=lambda i: (-lengths[i], i))
             name = f"u{next_no + gi:05d}"
-            self._create_unit(version, name, order, sample_ids, lengths, fetch, k, hidden,
-                              logical, attrs.get("capture_last", False), chunk_mib, shard_mib, compression)
+            self._create_unit(
+                version,
+                name,
+                order,
+                sample_ids,
+                lengths,
+                fetch,
+                k,
+                hidden,
+                logical,
+                attrs.get("capture_last", False),
+                chunk_mib,
+                shard_mib,
+                compression,
+            )
             new_units.append(UnitInfo(name, len(order), sum(lengths[i] for i in order)))
-        pending = [self.unit_info(version, u) for u in self.units(version)
-                   if not self.commit_record(version, u).get("complete")]
-        return PlanResult(version, self.loc.url_of(version), new_units, pending, len(self.units(version)),
-                          len(todo))
+        pending = [
+            self.unit_info(version, u)
+            for u in self.units(version)
+            if not self.commit_record(version, u).get("complete")
+        ]
+        return PlanResult(version, self.loc.url_of(version), new_units, pending, len(self.units(version)), len(todo))
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]
         return UnitInfo(unit, len(samples), sum(s[2] for s in samples))
 
-    def _create_unit(self, version, name, order, sample_ids, lengths, fetch, k, hidden,
-                     logical, capture_last, chunk_mib, shard_mib, compression) -> None:
+    def _create_unit(
+        self,
+        version,
+        name,
+        order,
+        sample_ids,
+        lengths,
+        fetch,
+        k,
+        hidden,
+        logical,
+        capture_last,
+        chunk_mib,
+        shard_mib,
+        compression,
+    ) -> None:
         stored = DTYPES[logical][0]
         n_tokens = sum(lengths[i] for i in order)
         rel = self._unit_rel(version, name)
@@ -249,23 +304,46 @@ class Store:
         g = self.loc.open_group(rel, mode="w")
         chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
         codecs = compressors(compression, stored.itemsize)
-        g.create_array("hidden", shape=(n_tokens, k, hidden), chunks=(chunk, k, hidden),
-                       shards=(shard, k, hidden), dtype=stored, compressors=codecs, fill_value=0)
+        g.create_array(
+            "hidden",
+            shape=(n_tokens, k, hidden),
+            chunks=(chunk, k, hidden),
+            shards=(shard, k, hidden),
+            dtype=stored,
+            compressors=codecs,
+            fill_value=0,
+        )
         if capture_last:
             # Same shard length along tokens as `hidden`, so one commit covers both.
-            g.create_array("last_hidden", shape=(n_tokens, hidden), chunks=(chunk, hidden),
-                           shards=(shard, hidden), dtype=stored, compressors=codecs, fill_value=0)
+            g.create_array(
+                "last_hidden",
+                shape=(n_tokens, hidden),
+                chunks=(chunk, hidden),
+                shards=(shard, hidden),
+                dtype=stored,
+                compressors=codecs,
+                fill_value=0,
+            )
         input_ids, loss_masks = fetch(order)
         ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids])
         mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in loss_masks])
-        g.create_array("input_ids", data=ids, chunks=(max(1, min(n_tokens, 1 << 20)),),
-                       compressors=compressors("zstd", 4))
-        g.create_array("loss_mask", data=mask, chunks=(max(1, min(n_tokens, 1 << 20)),),
-                       compressors=compressors("zstd", 1))
+        g.create_array(
+            "input_ids", data=ids, chunks=(max(1, min(n_tokens, 1 << 20)),), compressors=compressors("zstd", 4)
+        )
+        g.create_array(
+            "loss_mask", data=mask, chunks=(max(1, min(n_tokens, 1 << 20)),), compressors=compressors("zstd", 1)
+        )
         starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
         samples = [[sample_ids[i], int(s), int(lengths[i])] for i, s in zip(order, starts)]
-        g.attrs.update({"samples": samples, "n_tokens": n_tokens, "shard_tokens": shard, "chunk_tokens": chunk,
-                        "logical_dtype": logical})
+        g.attrs.update(
+            {
+                "samples": samples,
+                "n_tokens": n_tokens,
+                "shard_tokens": shard,
+                "chunk_tokens": chunk,
+                "logical_dtype": logical,
+            }
+        )
         g.attrs["planned"] = True  # last: from here on the unit exists
 
     def delete_version(self, version: str) -> None:

@@ -33,17 +33,17 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from storage.commit import crash_point
-from storage.layout import DTYPES, NOTHING_COMMITTED
-from storage.location import Location, open_location
-from storage.shardio import SharedBuffers, ShardProcesses, encode_shard
+from dflash_pipeline.storage.commit import crash_point
+from dflash_pipeline.storage.layout import DTYPES, NOTHING_COMMITTED
+from dflash_pipeline.storage.location import Location, open_location
+from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers, encode_shard
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _ShardFile:
         self.shard_rows, self.chunk_rows, self.blosc = shard_rows, chunk_rows, blosc
 
     @classmethod
-    def for_array(cls, arr, loc: Location) -> "_ShardFile | None":
+    def for_array(cls, arr, loc: Location) -> _ShardFile | None:
         from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
         from zarr.codecs.sharding import ShardingCodecIndexLocation
 
@@ -77,17 +77,28 @@ class _ShardFile:
 
         inner = list(sh.codecs)
         middle = inner[1:-1]
-        if (sh.index_location != ShardingCodecIndexLocation.end or len(sh.index_codecs) != 2
-                or not little(sh.index_codecs[0]) or not isinstance(sh.index_codecs[1], Crc32cCodec)
-                or len(inner) < 2 or not little(inner[0]) or not isinstance(inner[-1], Crc32cCodec)
-                or len(middle) > 1 or (middle and not isinstance(middle[0], BloscCodec))):
+        if (
+            sh.index_location != ShardingCodecIndexLocation.end
+            or len(sh.index_codecs) != 2
+            or not little(sh.index_codecs[0])
+            or not isinstance(sh.index_codecs[1], Crc32cCodec)
+            or len(inner) < 2
+            or not little(inner[0])
+            or not isinstance(inner[-1], Crc32cCodec)
+            or len(middle) > 1
+            or (middle and not isinstance(middle[0], BloscCodec))
+        ):
             return None
         blosc = getattr(middle[0], "_blosc_codec", None) if middle else None  # zarr's own numcodecs.Blosc
         if middle and blosc is None:
             return None
         shard, chunk = tuple(meta.chunk_grid.chunk_shape), tuple(sh.chunk_shape)
-        if (shard[1:] != tuple(arr.shape[1:]) or chunk[1:] != tuple(arr.shape[1:]) or shard[0] % chunk[0]
-                or meta.fill_value != 0):
+        if (
+            shard[1:] != tuple(arr.shape[1:])
+            or chunk[1:] != tuple(arr.shape[1:])
+            or shard[0] % chunk[0]
+            or meta.fill_value != 0
+        ):
             return None
         return cls(loc, arr.path, meta, shard[0], chunk[0], blosc)
 
@@ -95,14 +106,22 @@ class _ShardFile:
         coords = (start // self.shard_rows,) + (0,) * (len(self.meta.shape) - 1)
         return f"{self.path}/{self.meta.encode_chunk_key(coords)}"
 
-    def write(self, start: int, rows: np.ndarray, procs: ShardProcesses | None = None,
-              buffer: tuple | None = None) -> None:
+    def write(
+        self, start: int, rows: np.ndarray, procs: ShardProcesses | None = None, buffer: tuple | None = None
+    ) -> None:
         """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one.
         With `procs`, a writer process encodes and writes them from the shared `buffer` they start."""
         assert start % self.shard_rows == 0 and 0 < len(rows) <= self.shard_rows, (start, len(rows))
         if procs is not None:
-            procs.write_shard(self.loc, self.key(start), buffer, len(rows), self.shard_rows, self.chunk_rows,
-                              self.blosc.get_config() if self.blosc is not None else None)
+            procs.write_shard(
+                self.loc,
+                self.key(start),
+                buffer,
+                len(rows),
+                self.shard_rows,
+                self.chunk_rows,
+                self.blosc.get_config() if self.blosc is not None else None,
+            )
         else:
             self.loc.write_object(self.key(start), encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc))
 
@@ -114,8 +133,9 @@ class BufferPool:
     at most that many of each kind exist, and `get` waits for one to come back (a worker's units overlap at
     their boundaries: one unit's last shards are written while the next unit's first ones fill)."""
 
-    def __init__(self, alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
-                 limit: int | None = None):
+    def __init__(
+        self, alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None, limit: int | None = None
+    ):
         self.alloc = alloc or (lambda shape, dtype: np.empty(shape, dtype))
         self.limit = limit
         self._free: dict[tuple, list[np.ndarray]] = {}
@@ -156,8 +176,14 @@ def _copy_rows(dst: np.ndarray, src) -> None:
 class UnitWriter:
     """`unit`: the unit's location (Store.unit_location), or the path of a local unit directory."""
 
-    def __init__(self, unit: Location | str | Path, io_retries: int = 5, threads: int = 1,
-                 buffers: BufferPool | None = None, procs: ShardProcesses | None = None):
+    def __init__(
+        self,
+        unit: Location | str | Path,
+        io_retries: int = 5,
+        threads: int = 1,
+        buffers: BufferPool | None = None,
+        procs: ShardProcesses | None = None,
+    ):
         """`threads` shards are written at once. With `procs` (storage/shardio.py) the threads hand each shard
         to a writer process instead of encoding it themselves; `buffers` must then allocate SharedBuffers.
         Arrays whose codec chain is not the store's own are still written through zarr on the threads."""
@@ -170,8 +196,10 @@ class UnitWriter:
         assert attrs.get("planned"), f"unit {self.loc.url} was never fully planned"
         self.hidden = g["hidden"]
         self.last = g["last_hidden"] if "last_hidden" in g else None
-        self._fast = {"hidden": _ShardFile.for_array(self.hidden, self.loc),
-                      "last": _ShardFile.for_array(self.last, self.loc) if self.last is not None else None}
+        self._fast = {
+            "hidden": _ShardFile.for_array(self.hidden, self.loc),
+            "last": _ShardFile.for_array(self.last, self.loc) if self.last is not None else None,
+        }
         self.n_tokens: int = attrs["n_tokens"]
         self.shard_tokens: int = attrs["shard_tokens"]
         self.samples = attrs["samples"]
@@ -227,8 +255,10 @@ class UnitWriter:
     def _new_buffer(self) -> None:
         size = min(self.shard_tokens, self.n_tokens - self._buf_start)
         k, h = self.hidden.shape[1:]
-        bufs = (self._buffers.get((self.shard_tokens, k, h), self.stored_dtype),
-                self._buffers.get((self.shard_tokens, h), self.stored_dtype) if self.last is not None else None)
+        bufs = (
+            self._buffers.get((self.shard_tokens, k, h), self.stored_dtype),
+            self._buffers.get((self.shard_tokens, h), self.stored_dtype) if self.last is not None else None,
+        )
         self._bufs = bufs
         self._h = bufs[0][:size]
         self._l = bufs[1][:size] if bufs[1] is not None else None
@@ -265,28 +295,32 @@ class UnitWriter:
                 self._submit()
 
     def _submit(self) -> None:
-        start, h, l, bufs = self._buf_start, self._h, self._l, self._bufs
+        start, h, last, bufs = self._buf_start, self._h, self._l, self._bufs
         self._buf_start += len(h)
         # Wait first, then submit; the next rows take the next buffer: at most max_pending buffers are
         # being written and one is being filled.
         t0 = time.monotonic()
         self._reap(block_until=self._max_pending - 1)
         self.blocked_s += time.monotonic() - t0
-        self._pending.append(self._pool.submit(self._write_and_commit, start, h, l, bufs))
+        self._pending.append(self._pool.submit(self._write_and_commit, start, h, last, bufs))
         self._h = None
 
     def _reap(self, block_until: int) -> None:
         while len(self._pending) > block_until:
             self._pending.pop(0).result()  # re-raises a write failure in the producer
 
-    def _write_and_commit(self, start: int, h: np.ndarray, l: np.ndarray | None, bufs) -> None:
+    def _write_and_commit(self, start: int, h: np.ndarray, last: np.ndarray | None, bufs) -> None:
         end = start + len(h)
 
-        @retry(retry=retry_if_exception_type(OSError), stop=stop_after_attempt(self._io_retries),
-               wait=wait_exponential(multiplier=0.5, max=10), reraise=True,
-               before_sleep=before_sleep_log(log, logging.WARNING))
+        @retry(
+            retry=retry_if_exception_type(OSError),
+            stop=stop_after_attempt(self._io_retries),
+            wait=wait_exponential(multiplier=0.5, max=10),
+            reraise=True,
+            before_sleep=before_sleep_log(log, logging.WARNING),
+        )
         def write() -> None:
-            for name, arr, rows, buf in (("hidden", self.hidden, h, bufs[0]), ("last", self.last, l, bufs[1])):
+            for name, arr, rows, buf in (("hidden", self.hidden, h, bufs[0]), ("last", self.last, last, bufs[1])):
                 if rows is None:
                     continue
                 if self._fast[name] is None:
@@ -311,10 +345,15 @@ class UnitWriter:
                 return  # an earlier shard is still being written; its commit will cover this one
             self.complete = self.committed == self.n_tokens
             committed = self.committed
-            self.loc.write_json_atomic("commit.json",
-                                       {"committed_tokens": committed, "complete": self.complete,
-                                        "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed)},
-                                       before_commit=lambda: crash_point("during_commit"))
+            self.loc.write_json_atomic(
+                "commit.json",
+                {
+                    "committed_tokens": committed,
+                    "complete": self.complete,
+                    "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed),
+                },
+                before_commit=lambda: crash_point("during_commit"),
+            )
 
     def finish(self) -> None:
         """Wait for all writes; the unit is then complete. (The last buffer is sized to the unit's

@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline-safe defaults (no telemetry)
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from prefect import get_run_logger
+from prefect.logging.handlers import APILogHandler
 
-from prefect import get_run_logger  # noqa: E402
-from prefect.logging.handlers import APILogHandler  # noqa: E402
-
-from pipeline.errors import PipelineError  # noqa: E402
-
-LOGIC_PACKAGES = ("dataprep", "target", "storage", "drafter", "pipeline", "embedded")
+from dflash_pipeline import PACKAGE_LOGGER
+from dflash_pipeline.errors import PipelineError
 
 
 def forward_logic_logs() -> None:
-    """Send the logic packages' log records to the Prefect UI (inside runs). Done here, at import of the
-    tasks, because a deployment's flow-run process loads flows/pipeline.py by path (flows/__init__ does not
-    run) and imports prefect before any of our code (so PREFECT_LOGGING_EXTRA_LOGGERS would come too late)."""
-    for name in LOGIC_PACKAGES:
-        logger = logging.getLogger(name)
-        if not any(isinstance(h, APILogHandler) for h in logger.handlers):
-            logger.addHandler(APILogHandler())
-        if logger.level == logging.NOTSET or logger.level > logging.INFO:
-            logger.setLevel(logging.INFO)
+    """Send the package's log records to the Prefect UI (inside runs). Done here, at import of the tasks,
+    because a deployment's flow-run process imports prefect before any of our code (so
+    PREFECT_LOGGING_EXTRA_LOGGERS would come too late)."""
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+        logger.addHandler(APILogHandler())
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 forward_logic_logs()
@@ -36,7 +30,7 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()
     except Exception:  # noqa: BLE001 - outside a run context (direct calls in tests)
-        return logging.getLogger("dflash")
+        return logging.getLogger(PACKAGE_LOGGER)
 
 
 def artifact_key(*parts: str) -> str:

@@ -8,10 +8,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from embedded import resolve_model
-from pipeline.config import RunConfig
-from target.probe import ProbeReport, probe, save_report
-from tasks.common import artifact_key, run_logger
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.embedded import resolve_model
+from dflash_pipeline.extraction.probe import ProbeReport, probe, save_report
+from dflash_pipeline.tasks.common import artifact_key, run_logger
 
 
 @task(name="probe-compatibility", task_run_name="probe {cfg.target.model_path}", cache_policy=NO_CACHE)
@@ -20,8 +20,11 @@ def probe_task(cfg: RunConfig) -> ProbeReport:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_report(report, out / "probe.json")
-    create_markdown_artifact(key=artifact_key("compat-probe"), markdown=report.to_markdown(),
-                             description="libraries, kernels, model layers, placement")
+    create_markdown_artifact(
+        key=artifact_key("compat-probe"),
+        markdown=report.to_markdown(),
+        description="libraries, kernels, model layers, placement",
+    )
     for w in report.warnings:
         run_logger().warning(w)
     return report

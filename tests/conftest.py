@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
+pytest_plugins = ["tests.s3server"]  # the session's moto S3 server fixture, `s3`
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -33,14 +29,14 @@ def dflash_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(dflash_home) -> str:
-    from embedded.build import ensure_built
+    from dflash_pipeline.embedded.build import ensure_built
 
     return str(ensure_built())
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from target.tokenizer import load_tokenizer
+    from dflash_pipeline.extraction.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -56,7 +52,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def clean_extraction(model_dir, tmp_path_factory):
     """An uninterrupted extraction of helpers.KILL_OVERRIDES: what every killed-and-resumed run must equal."""
-    from helpers import KILL_OVERRIDES, extract_local
+    from tests.helpers import KILL_OVERRIDES, extract_local
 
     return extract_local(tmp_path_factory.mktemp("clean"), KILL_OVERRIDES)
 
@@ -64,8 +60,27 @@ def clean_extraction(model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_store(model_dir, tmp_path_factory):
     """A complete, validated-shape store of 60 samples, layers [1, 3, 7] (GDN, full, full) + last."""
-    from helpers import extract_local
+    from tests.helpers import extract_local
 
     out = tmp_path_factory.mktemp("small_store")
-    return extract_local(out, {"data.max_samples": 60, "layers.preset": "explicit", "layers.ids": [1, 2, 3],
-                               "layers.capture_last": True, "extract.unit_tokens": 2500})
+    return extract_local(
+        out,
+        {
+            "data.max_samples": 60,
+            "layers.preset": "explicit",
+            "layers.ids": [1, 2, 3],
+            "layers.capture_last": True,
+            "extract.unit_tokens": 2500,
+        },
+    )
+
+
+_LAYERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its layer, the folder it lives in (tests/unit, tests/integration, tests/e2e)."""
+    for item in items:
+        layer = next((p for p in item.path.relative_to(config.rootpath / "tests").parts if p in _LAYERS), None)
+        assert layer, f"{item.nodeid}: every test lives in tests/unit, tests/integration or tests/e2e"
+        item.add_marker(getattr(pytest.mark, layer))

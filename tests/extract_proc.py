@@ -4,14 +4,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from helpers import extract_local  # noqa: E402
+from tests.helpers import extract_local  # noqa: E402
 
 if __name__ == "__main__":
     out, overrides = sys.argv[1], json.loads(sys.argv[2])

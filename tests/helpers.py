@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
-from embedded import resolve_model, resolve_source
-from pipeline.config import RunConfig, load_config
-from storage.store import PlanResult, Store
-from target.extract import WorkerResult, run_worker
-from target.plan import plan_extraction, store_dtype
-from target.probe import ProbeReport, probe
-from target.tokenizer import load_tokenizer
+from dflash_pipeline.config import RunConfig, load_config
+from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.embedded import resolve_model, resolve_source
+from dflash_pipeline.extraction.extract import WorkerResult, run_worker
+from dflash_pipeline.extraction.plan import plan_extraction, store_dtype
+from dflash_pipeline.extraction.probe import ProbeReport, probe
+from dflash_pipeline.extraction.tokenizer import load_tokenizer
+from dflash_pipeline.storage.store import PlanResult, Store
 
 
 @dataclass
@@ -52,15 +52,31 @@ def extract_local(out: Path, overrides: dict[str, Any] | None = None) -> Extract
     report = probe(cfg.target, cfg.layers, cfg.extract, resolve_model(cfg.target.model_path))
     plan = plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
     units = Store(cfg.store, cfg.store_options).units(plan.version)  # all: complete ones are skipped cheaply
-    result = run_worker(cfg.store, plan.version, units, report, "cpu", cfg.extract, store_dtype(cfg, report),
-                        tok.pad_token_id, store_options=cfg.store_options)
+    result = run_worker(
+        cfg.store,
+        plan.version,
+        units,
+        report,
+        "cpu",
+        cfg.extract,
+        store_dtype(cfg, report),
+        tok.pad_token_id,
+        store_options=cfg.store_options,
+    )
     return Extracted(cfg, prepared, report, plan, result)
 
 
 # The kill tests' extraction: several units, several 273-token shards each, several batches per shard.
-KILL_OVERRIDES = {"data.max_samples": 40, "layers.preset": "explicit", "layers.ids": [1, 3, 5],
-                  "layers.capture_last": True, "extract.unit_tokens": 1500, "extract.shard_mib": 0.2,
-                  "extract.chunk_mib": 0.05, "extract.token_budget": 300}
+KILL_OVERRIDES = {
+    "data.max_samples": 40,
+    "layers.preset": "explicit",
+    "layers.ids": [1, 3, 5],
+    "layers.capture_last": True,
+    "extract.unit_tokens": 1500,
+    "extract.shard_mib": 0.2,
+    "extract.chunk_mib": 0.05,
+    "extract.token_budget": 300,
+}
 
 
 def run_extract_proc(out: Path, overrides: dict[str, Any], kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -68,8 +84,14 @@ def run_extract_proc(out: Path, overrides: dict[str, Any], kill_at: str | None =
     env = {**os.environ}
     if kill_at:
         env["DFLASH_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, str(Path(__file__).parent / "extract_proc.py"), str(out),
-                           json.dumps(overrides)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.extract_proc", str(out), json.dumps(overrides)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def forward_passes(proc: subprocess.CompletedProcess) -> int:

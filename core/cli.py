@@ -1,0 +1,108 @@
+"""`dflash-pipeline` command line: run the pipeline flow (ephemeral Prefect by default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dflash_pipeline.config import load_config, parse_override
+    from dflash_pipeline.errors import PipelineError
+
+    try:
+        cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
+        api = os.environ.get("PREFECT_API_URL")
+        if api:  # a configured server that is down: say so now, not after a long hang
+            from dflash_pipeline.serve import check_api
+
+            check_api(api)
+        from dflash_pipeline.flows.pipeline import dflash_pipeline
+
+        summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2, default=str))
+    store = cfg.store if "://" in cfg.store else os.path.abspath(cfg.store)
+    print(
+        f"\noutputs under {os.path.abspath(cfg.output_dir)}; store: {store} "
+        "(read it with storage.reader.HiddenStateDataset, see docs/STORE.md)"
+    )
+    if "acceptance_length" in summary:
+        print(
+            f"drafter: {summary.get('drafter')}; acceptance length {summary['acceptance_length']} tokens per "
+            f"target step (untrained drafter: {summary.get('untrained_acceptance_length')})"
+        )
+    return 0
+
+
+def cmd_build_default(args: argparse.Namespace) -> int:
+    from dflash_pipeline.embedded.build import ensure_built
+
+    print(ensure_built())
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dflash_pipeline.serve import serve
+
+    return serve(args.port)
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    from dflash_pipeline.config import defaults_yaml
+
+    print(defaults_yaml(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "uvicorn", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the pipeline (prepare, probe, extract, validate, ...)")
+    run.add_argument("--config", help="YAML config file (see configs/default.yaml)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set data.max_samples=100 (repeatable)",
+    )
+    run.set_defaults(fn=cmd_run)
+    b = sub.add_parser("build-default", help="build the embedded tiny target and tokenizer, print its path")
+    b.set_defaults(fn=cmd_build_default)
+    sv = sub.add_parser("serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C stops)")
+    sv.add_argument("--port", type=int, default=4200)
+    sv.set_defaults(fn=cmd_serve)
+    sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
+    sc.set_defaults(fn=cmd_show_config)
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

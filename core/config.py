@@ -1,0 +1,339 @@
+"""The pipeline's configuration: one validated object per stage, loaded from YAML + `key=value` overrides.
+
+Every field has a default, so an empty config runs the embedded default end to end. Errors name the
+field and the bad value (pydantic's messages, reformatted in `load_config`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dflash_pipeline.base import Section
+from dflash_pipeline.drafter.config import EvalConfig, RegenerateConfig, TrainConfig
+from dflash_pipeline.errors import ConfigError
+
+# token_budget "auto": at most this many (bench/RESULTS.md run 5: on an H200, 32k- and 64k-token batches
+# were slower end to end than 16k: fewer, longer batches overlap the GPU with the writer less).
+AUTO_TOKEN_BUDGET_MAX = 16384
+
+STAGES = ["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]
+# store_options keys that hold credentials (s3fs / botocore names): refused, see RunConfig._no_secrets.
+SECRET_OPTION_KEYS = {
+    "key",
+    "secret",
+    "token",
+    "password",
+    "access_key",
+    "secret_key",
+    "session_token",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+}
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "embedded",
+        description="'embedded', a local .jsonl/.json/.parquet file, a directory "
+        "saved by `datasets`, or a HF dataset name (needs hub access).",
+    )
+    format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
+        "auto", description="Row schema; 'auto' detects it per row."
+    )
+    split: str = Field("train", description="Split to read from a HF dataset / DatasetDict directory.")
+    max_samples: int | None = Field(None, ge=1, description="Keep only the first N usable samples (quick runs).")
+    max_length: int = Field(2048, ge=8, description="Token limit per sample.")
+    overlength: Literal["drop", "truncate"] = Field("drop", description="What to do with longer samples.")
+    min_supervised_tokens: int = Field(2, ge=1, description="Drop samples with fewer assistant tokens.")
+    mask_turns: Literal["all", "last"] = Field("all", description="Supervise every assistant turn or the last.")
+    rows_per_shard: int = Field(50_000, ge=1, description="Rows per Arrow file of the prepared dataset.")
+
+
+class TargetConfig(Section):
+    model_path: str = Field("embedded", description="'embedded' or a local HF checkpoint directory.")
+    tokenizer_path: str | None = Field(None, description="Defaults to model_path.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="'auto': bfloat16 on GPU, float32 on CPU."
+    )
+    attn_implementation: str | None = Field(
+        None, description="e.g. 'sdpa', 'flash_attention_2'; None = library default."
+    )
+    trust_remote_code: bool = False
+
+
+class LayersConfig(Section):
+    preset: Literal["dflash", "eagle3", "explicit"] = Field("dflash", description="How to choose layers.")
+    num_draft_layers: int = Field(5, ge=1, description="dflash preset: one target layer per draft layer.")
+    ids: list[int] | None = Field(None, description="explicit preset: decoder-layer indices (output of layer i).")
+    capture_last: bool = Field(
+        False,
+        description="Also store the last decoder layer's pre-norm output (for distillation from the target's logits).",
+    )
+
+    @model_validator(mode="after")
+    def _explicit_needs_ids(self) -> LayersConfig:
+        if self.preset == "explicit" and not self.ids:
+            raise ValueError("layers.preset is 'explicit' but layers.ids is empty: give e.g. layers.ids=[1,3,5]")
+        return self
+
+
+class ExtractConfig(Section):
+    devices: str = Field(
+        "auto",
+        description="'auto' (every visible GPU, else one CPU worker), 'cpu', "
+        "or a comma list like 'cuda:0,cuda:1' ('cpu:0,cpu:1' = two CPU workers).",
+    )
+    isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="Run each device's worker in its own process (a hung or crashed worker is "
+        "killed and retried alone) or in a thread of the flow process.",
+    )
+    engine: Literal["local", "ray"] = Field(
+        "local",
+        description="'local': one worker per device of this "
+        "host; 'ray': one worker per GPU of a Ray cluster (prefect-ray).",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join ('auto' or ray://host:10001); None starts a local Ray instance."
+    )
+    ray_workers: int = Field(0, ge=0, description="Ray workers; 0 = one per GPU in the cluster.")
+    ray_cpus_per_worker: int = Field(1, ge=1, description="CPUs per Ray worker when the cluster has no GPUs.")
+    worker_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Kill and retry a worker process that runs longer than this (a hung GPU); None = no limit.",
+    )
+    gpus_per_replica: int = Field(
+        0,
+        ge=0,
+        description="GPUs one copy of the target spans (its layers split "
+        "across them with a transformers device_map). 0 = the probe decides: one "
+        "GPU per copy when it fits, else the fewest GPUs that hold one.",
+    )
+    max_gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Plan with at most this much memory "
+        "per GPU (default: its free memory), e.g. to leave room for "
+        "other processes.",
+    )
+    token_budget: Annotated[int, Field(ge=16)] | Literal["auto"] = Field(
+        "auto",
+        description="Max padded tokens per forward batch. 'auto': sized by the probe from the GPU "
+        f"memory left after the weights, at most {AUTO_TOKEN_BUDGET_MAX}.",
+    )
+    unit_tokens: int = Field(
+        1_000_000,
+        ge=16,
+        description="Tokens per work unit (the unit of assignment "
+        "and of completion; a crash redoes at most one store shard of one unit).",
+    )
+    shard_mib: float = Field(128.0, gt=0, description="Target size of one store shard file (MiB, raw).")
+    chunk_mib: float = Field(4.0, gt=0, description="Target size of one compressed chunk inside a shard (MiB).")
+    compression: Literal["zstd", "lz4", "none"] = Field("zstd", description="Codec for hidden states.")
+    compile: Literal["auto", "off", "norms", "layers"] = Field(
+        "auto",
+        description="torch.compile parts of the target for fused kernels: 'norms' (every RMSNorm), "
+        "'layers' (each decoder layer whole), 'off'. 'auto' on a GPU with triton: 'layers' for an all-softmax-"
+        "attention target, 'norms' for a hybrid (linear attention); else 'off'. "
+        "A compile failure falls back to the eager forward with a warning.",
+    )
+    store_writers: Literal["auto", "processes", "threads"] = Field(
+        "auto",
+        description="Where shards are compressed and written: 'processes' (separate writer processes "
+        "fed through shared memory in /dev/shm, so they never hold up the GPU's feeder thread), 'threads' (in "
+        "the worker process), 'auto' = processes for a GPU worker, threads for a CPU one.",
+    )
+    store_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="'auto' = the model's compute dtype."
+    )
+    io_retries: int = Field(5, ge=1, description="Attempts for a store write before giving up.")
+    task_retries: int = Field(2, ge=0, description="Prefect retries of a crashed worker (it resumes).")
+    new_version: bool = Field(
+        False, description="If the store holds another model/layer set, start a new store version instead of failing."
+    )
+    incremental: bool = Field(
+        False,
+        description="Allow adding new dataset rows to an existing store "
+        "version (the nightly run); otherwise another dataset is an error.",
+    )
+    keep_versions: int = Field(
+        3,
+        ge=1,
+        description="Store versions kept after a successful validation; older ones are pruned (CURRENT never is).",
+    )
+
+
+class ValidateConfig(Section):
+    recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
+    seed: int = 0
+    max_zero_row_fraction: float = Field(0.0, ge=0, le=1, description="Allowed share of all-zero token rows.")
+
+
+class RunConfig(Section):
+    output_dir: str = Field("runs/default", description="Everything a run writes goes under here.")
+    store_path: str | None = Field(
+        None,
+        description="Defaults to <output_dir>/store. A local path, or "
+        "s3://bucket/prefix for S3-compatible object storage (AWS S3, MinIO, ...; "
+        "needs the [s3] extra).",
+    )
+    store_options: dict[str, Any] = Field(
+        {},
+        description="Non-secret fsspec/s3fs options of an s3:// store, "
+        "e.g. {endpoint_url: 'http://minio:9000'} (also AWS_ENDPOINT_URL). "
+        "Credentials come only from the AWS chain: AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role.",
+    )
+    data: DataConfig = DataConfig()
+    target: TargetConfig = TargetConfig()
+    layers: LayersConfig = LayersConfig()
+    extract: ExtractConfig = ExtractConfig()
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    regenerate: RegenerateConfig = RegenerateConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvalConfig = EvalConfig()
+    stages: list[Literal["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]] = Field(
+        ["prepare", "probe", "extract", "validate", "train", "evaluate"],
+        description="Stages to run, in pipeline order ('regenerate' rewrites the assistant turns with the "
+        "target before preparation; also switched on by regenerate.enabled).",
+    )
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @field_validator("stages")
+    @classmethod
+    def _known_order(cls, v: list[str]) -> list[str]:
+        return sorted(set(v), key=STAGES.index)
+
+    @field_validator("store_options")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # The run config is saved in the store's provenance attributes: a secret here would be published.
+        def walk(d: dict, where: str) -> None:
+            for k, x in d.items():
+                if str(k).lower() in SECRET_OPTION_KEYS:
+                    raise ValueError(
+                        f"{where}{k} would put a credential into the run config, which is saved in "
+                        "the store's provenance; give credentials through the AWS chain instead: "
+                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN) in the "
+                        "environment, AWS_PROFILE with ~/.aws/credentials, or an instance role"
+                    )
+                if isinstance(x, dict):
+                    walk(x, f"{where}{k}.")
+
+        walk(v, "store_options.")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_object_storage(self) -> RunConfig:
+        if self.store_options and "://" not in self.store:
+            raise ValueError(
+                f"store_options only apply to an s3:// store_path; the store is the local path {self.store}"
+            )
+        return self
+
+    @property
+    def drafter_dir(self) -> Path:
+        return Path(self.train.output_dir) if self.train.output_dir else Path(self.output_dir) / "drafter"
+
+    @property
+    def store(self) -> str:
+        """The store's location: a local path, or a URL (s3://bucket/prefix) kept as written."""
+        if self.store_path and "://" in self.store_path:
+            return self.store_path
+        return str(Path(self.store_path) if self.store_path else Path(self.output_dir) / "store")
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key.sub=value`; the value is parsed as YAML (so 3, true, [1,2] and null work)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value (e.g. data.max_samples=50)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
+    """Load YAML (optional), apply dotted overrides, validate. Raises ConfigError naming field and value."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    return validate_tree(tree)
+
+
+def validate_tree(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "<root>"
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            lines.append(f"  {field}: {err['msg']}{shown}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def defaults_yaml() -> str:
+    """The full default configuration as commented YAML (configs/default.yaml is generated from this)."""
+    lines = [
+        "# dflash-pipeline configuration: every field with its default.",
+        "# Generated by `dflash-pipeline show-config`; override with --set key=value or your own file.",
+    ]
+
+    def emit(model: type[BaseModel], values: dict, indent: int) -> None:
+        pad = "  " * indent
+        for name, field in model.model_fields.items():
+            key = field.alias or name
+            value = values[key]
+            if field.description:
+                lines.append(f"{pad}# {field.description}")
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                lines.append(f"{pad}{key}:")
+                emit(sub, value, indent + 1)
+            else:
+                dumped = yaml.safe_dump(value, default_flow_style=True).strip()
+                dumped = dumped.removesuffix("\n...").removesuffix("...").strip()
+                lines.append(f"{pad}{key}: {dumped}")
+
+    emit(RunConfig, RunConfig().dump(), 0)
+    return "\n".join(lines) + "\n"

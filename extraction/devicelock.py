@@ -1,0 +1,52 @@
+"""One run per GPU: an exclusive, per-host lock file held by the worker process for its whole life.
+
+flock locks die with their process, so a killed worker never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.extraction.placement import replica_devices
+from dflash_pipeline.storage.commit import exclusive_lock
+
+
+def lock_dir() -> Path:
+    d = Path(os.environ.get("DFLASH_LOCK_DIR", "/tmp/dflash-pipeline-locks"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _physical(device: str, position: int) -> str:
+    """The lock is per physical GPU. In the worker process CUDA_VISIBLE_DEVICES lists exactly its replica's
+    GPUs, in order (target/procs.child_env), so the replica's `position`-th GPU is that entry."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"gpu{visible.split(',')[position]}" if visible else f"gpu{device.split(':')[1]}"
+
+
+@contextmanager
+def device_lock(device: str, store: str) -> Iterator[None]:
+    """Locks every GPU of `device` (one, or a split replica's "cuda:0+cuda:1")."""
+    with ExitStack() as stack:
+        for position, d in enumerate(replica_devices(device)):
+            if d.startswith("cpu"):  # CPU workers may share the host
+                continue
+            path = lock_dir() / f"{socket.gethostname()}-{_physical(d, position)}.lock"
+            holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            stack.enter_context(
+                exclusive_lock(
+                    path,
+                    holder,
+                    lambda h, d=d: PipelineError(
+                        f"{d} is in use by another dflash-pipeline run ({h}); choose other devices with "
+                        "extract.devices or wait for that run"
+                    ),
+                )
+            )
+        yield

@@ -1,0 +1,77 @@
+"""Driver-side extraction planning: store version, provenance, units, and their assignment to devices."""
+
+from __future__ import annotations
+
+import heapq
+import importlib.metadata as md
+from typing import Any
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
+from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+from dflash_pipeline.storage.store import PlanResult, Store, UnitInfo
+
+
+def store_dtype(cfg: RunConfig, report: ProbeReport) -> str:
+    return report.compute_dtype if cfg.extract.store_dtype == "auto" else cfg.extract.store_dtype
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_fp: str) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_path": report.model_path,
+        "model_type": report.model_type,
+        "model_config_hash": config_hash(report.model_path),
+        "weights_fingerprint": weights_fingerprint(report.model_path),
+        "num_layers": report.num_layers,
+        "hidden_size": report.hidden_size,
+        "layer_types": report.layer_types,
+        "layer_ids": report.layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "capture_last": report.capture_last,
+        "logical_dtype": store_dtype(cfg, report),
+        "compute_dtype": report.compute_dtype,
+        "tokenizer_fingerprint": tokenizer_fp,
+        "template_fingerprint": template_fp,
+        "libraries": {
+            p: _version(p) for p in ("torch", "transformers", "zarr", "numcodecs", "prefect", "flash-linear-attention")
+        },
+        "run_config": cfg.dump(),
+    }
+
+
+def plan_extraction(
+    cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, tokenizer_fp: str, template_fp: str
+) -> PlanResult:
+    store = Store(cfg.store, cfg.store_options)
+    prov = provenance(cfg, report, tokenizer_fp, template_fp)
+    version = store.resolve_version(prov, prepared.fingerprint, cfg.extract.new_version, cfg.extract.incremental)
+    ds = load_prepared(prepared.path)
+    sample_ids, lengths = ds["sample_id"], ds["seq_len"]
+
+    def fetch(rows: list[int]):
+        sub = ds.select(rows)
+        return sub["input_ids"], sub["loss_mask"]
+
+    x = cfg.extract
+    return store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression)
+
+
+def assign_units(units: list[UnitInfo], devices: list[str]) -> dict[str, list[str]]:
+    """Balance by tokens (longest-processing-time first): each unit goes to the least-loaded device."""
+    heap = [(0, i, d) for i, d in enumerate(devices)]
+    out: dict[str, list[str]] = {d: [] for d in devices}
+    for u in sorted(units, key=lambda u: (-u.n_tokens, u.name)):
+        load, i, d = heapq.heappop(heap)
+        out[d].append(u.name)
+        heapq.heappush(heap, (load + u.n_tokens, i, d))
+    return {d: sorted(us) for d, us in out.items() if us}

@@ -1,0 +1,125 @@
+"""Run an extraction worker in its own process, pinned to one device (or one split replica's GPUs).
+
+Why a process per device: a hung or crashed GPU worker (CUDA error, OOM-kill, a kernel that never
+returns) can be killed and retried without taking the other devices down, and Prefect's task timeouts
+cannot interrupt a thread stuck in a C call. The child reports progress as JSON lines on stdout and its
+result (or a user error) at the end; the parent turns a crash or a timeout into an exception the task
+retries, and a user error into a PipelineError it does not.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.extraction.extract import Progress, WorkerResult
+from dflash_pipeline.extraction.placement import replica_devices
+
+PREFIX = "@@dflash "
+
+
+class WorkerCrashed(RuntimeError):
+    """The worker process died or hung: transient from the pipeline's point of view (retry resumes)."""
+
+
+def child_env(device: str) -> tuple[dict[str, str], str]:
+    """Environment and in-process device name for a worker pinned to `device` (a GPU, or the GPUs of a split
+    replica, "cuda:2+cuda:3", which the child then sees as cuda:0+cuda:1)."""
+    env = dict(os.environ)
+    if device.startswith("cuda:"):
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        indices = [int(d.split(":")[1]) for d in replica_devices(device)]
+        physical = [visible.split(",")[i] if visible else str(i) for i in indices]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)  # the child sees exactly its GPUs, from cuda:0
+        return env, "+".join(f"cuda:{i}" for i in range(len(indices)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1))))
+    return env, "cpu"
+
+
+def run_in_process(
+    spec: dict[str, Any],
+    device: str,
+    progress: Callable[[Progress], None] | None = None,
+    timeout_s: float | None = None,
+) -> WorkerResult:
+    env, local_device = child_env(device)
+    spec = {**spec, "device": local_device, "label": device}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+        spec_path = f.name
+    tail: deque[str] = deque(maxlen=40)
+    outcome: dict[str, Any] = {}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.extraction.worker_main", spec_path],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(PREFIX):
+                msg = json.loads(line[len(PREFIX) :])
+                if msg["kind"] == "progress" and progress:
+                    progress(Progress(**msg["data"]))
+                elif msg["kind"] == "log":  # re-emitted under the child's logger name: reaches the UI
+                    logging.getLogger(msg["name"]).log(msg["level"], "%s", msg["message"])
+                else:
+                    outcome.update(msg)
+            else:
+                tail.append(line.rstrip())
+                sys.stderr.write(f"[{device}] {line}")
+
+    # The reader thread runs in a copy of this thread's context, so Prefect's log handler sees the task run.
+    reader = threading.Thread(target=contextvars.copy_context().run, args=(pump,), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        raise WorkerCrashed(
+            f"extraction worker on {device} did not finish within extract.worker_timeout_s="
+            f"{timeout_s:.0f} s and was killed; a retry resumes from its last commit"
+        ) from None
+    except BaseException:
+        _kill(proc)  # the parent is being cancelled: never leave an orphan holding a GPU
+        raise
+    finally:
+        os.unlink(spec_path)
+    reader.join(timeout=10)
+    if outcome.get("kind") == "user_error":
+        raise PipelineError(outcome["message"])
+    if proc.returncode != 0 or outcome.get("kind") != "result":
+        how = (
+            f"was killed by signal {-proc.returncode}"
+            if proc.returncode < 0
+            else f"exited with status {proc.returncode}"
+        )
+        raise WorkerCrashed(
+            f"extraction worker on {device} {how}; a retry resumes from its last commit. "
+            "Last output:\n" + "\n".join(tail)
+        )
+    return WorkerResult(**outcome["data"])
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

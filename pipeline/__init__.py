@@ -1,1 +1,0 @@
-"""Configuration, errors and the command line of dflash-pipeline (no Prefect imports here)."""

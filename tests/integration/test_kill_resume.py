@@ -1,0 +1,33 @@
+"""SIGKILL the extraction at several points; a rerun completes the store bit-identical to a clean run."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_pipeline.storage.reader import HiddenStateDataset
+from dflash_pipeline.storage.store import Store
+from tests.helpers import KILL_OVERRIDES, assert_same_store, forward_passes, run_extract_proc, snapshot
+
+
+@pytest.mark.parametrize("kill_at", ["forward:3", "after_shard_write:3", "during_commit:2"])
+def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kill_at):
+    """(With writer processes, a GPU worker's default: tests/test_object_store.py.)"""
+    clean = clean_extraction
+    assert clean.plan.n_units >= 2
+    killed = run_extract_proc(tmp_path, KILL_OVERRIDES, kill_at)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    store = Store(tmp_path / "store")
+    version = store.versions()[0]
+    committed_before = sum(store.commit_record(version, u)["committed_tokens"] for u in store.units(version))
+    if kill_at == "during_commit:2":  # the temp file of the interrupted commit is still there
+        assert list((tmp_path / "store").rglob("*.partial"))
+
+    resumed = run_extract_proc(tmp_path, KILL_OVERRIDES)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    if not kill_at.startswith("forward"):  # shards had been committed: resumed from there, not restarted
+        assert committed_before > 0 and forward_passes(resumed) < clean.result.forward_passes
+    assert not list((tmp_path / "store").rglob("*.partial"))  # orphans cleaned
+
+    assert_same_store(snapshot(Store(clean.store), clean.plan.version), snapshot(store, version))
+    ids = [s.sample_id for s in HiddenStateDataset(tmp_path / "store", version).samples]
+    assert len(ids) == len(set(ids)) == 40  # nothing duplicated, nothing missing

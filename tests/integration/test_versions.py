@@ -1,0 +1,57 @@
+"""Store versions for the nightly run: published versions never change; snapshots share data; prune; lock."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.reader import HiddenStateDataset
+from dflash_pipeline.storage.store import Store
+from tests.helpers import extract_local
+
+BASE = {"layers.preset": "explicit", "layers.ids": [1, 3], "extract.unit_tokens": 1500, "extract.incremental": True}
+
+
+def test_incremental_run_snapshots_the_published_version(tmp_path, model_dir):
+    first = extract_local(tmp_path, {**BASE, "data.max_samples": 30})
+    store = Store(tmp_path / "store")
+    store.set_current(first.plan.version)
+    v1_units = store.units("v0001")
+
+    second = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
+    assert second.plan.version == "v0002" and second.plan.new_samples == 10
+    assert store.units("v0001") == v1_units  # the published version is untouched
+    assert len(HiddenStateDataset(tmp_path / "store", "v0001")) == 30
+    assert len(HiddenStateDataset(tmp_path / "store", "v0002")) == 40
+    # only the new samples went through the model; the old units are shared, not copied
+    assert second.result.tokens == sum(u.n_tokens for u in second.plan.new_units)
+    shard = next(p for p in (tmp_path / "store/v0001/units" / v1_units[0] / "hidden").rglob("*") if p.is_file())
+    twin = tmp_path / "store/v0002" / shard.relative_to(tmp_path / "store/v0001")
+    assert os.stat(shard).st_ino == os.stat(twin).st_ino
+    assert store.current() == "v0001"  # moves only after validation (the flow's job)
+
+    again = extract_local(tmp_path, {**BASE, "data.max_samples": 45})  # v0002 unpublished: extended in place
+    assert again.plan.version == "v0002" and again.plan.new_samples == 5
+
+
+def test_prune_keeps_newest_and_current(tmp_path, model_dir):
+    store = Store(tmp_path / "store")
+    for n in (10, 12, 14, 16):
+        ex = extract_local(tmp_path, {**BASE, "data.max_samples": n})
+        store.set_current(ex.plan.version)
+    assert store.versions() == ["v0001", "v0002", "v0003", "v0004"]
+    store.set_current("v0002")
+    assert store.prune(keep=2) == ["v0001"]
+    assert store.versions() == ["v0002", "v0003", "v0004"]
+
+
+def test_store_lock_is_exclusive(tmp_path):
+    store = Store(tmp_path / "store")
+    with store.lock():
+        with pytest.raises(StoreError, match=r"in use by another run \(pid \d+"):
+            with Store(tmp_path / "store").lock():
+                pass
+    with store.lock():  # released
+        pass

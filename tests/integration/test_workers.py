@@ -1,0 +1,52 @@
+"""Per-device worker processes: device pinning, one run per GPU, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.extraction.devicelock import device_lock
+
+
+def test_gpu_in_use_by_another_run_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_LOCK_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with device_lock("cuda:0", "/stores/a"):
+        with pytest.raises(
+            PipelineError, match=r"cuda:0 is in use by another dflash-pipeline run \(pid \d+, store /stores/a"
+        ):
+            with device_lock("cuda:0", "/stores/b"):
+                pass
+    with device_lock("cuda:0", "/stores/b"):  # released with its holder
+        pass
+
+
+def test_hung_worker_is_killed_at_its_timeout(small_store):
+    """A worker that does not finish in extract.worker_timeout_s is killed (its whole process group) and
+    reported as a crash, which the task retries; here it is still importing torch when time is up."""
+    import time
+
+    from dflash_pipeline.extraction.procs import WorkerCrashed, run_in_process
+
+    ex = small_store
+    spec = {
+        "store_root": ex.store,
+        "version": ex.plan.version,
+        "units": [],
+        "report": ex.report.to_dict(),
+        "extract": ex.cfg.extract.model_dump(mode="json"),
+        "store_dtype": "float32",
+        "pad_id": 0,
+        "attn_implementation": None,
+        "threads": 1,
+    }
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCrashed, match="did not finish within extract.worker_timeout_s=1 s and was killed"):
+        run_in_process(spec, "cpu:0", timeout_s=1.0)
+    assert time.monotonic() - t0 < 15
+    leftovers = subprocess.run(
+        ["pgrep", "-f", "dflash_pipeline.extraction.worker_main"], capture_output=True, text=True
+    ).stdout
+    assert not leftovers.strip()
