@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.dataprep.prepare import PrepareResult, load_quarantine, prepare_dataset
-from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.extraction.tokenizer import load_tokenizer
+from dflash_pipeline.dataprep.prepare import PrepareResult, load_quarantine
+from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.tasks.common import artifact_key, run_logger
 
 
 @task(name="prepare-dataset", task_run_name="prepare {cfg.data.source}", cache_policy=NO_CACHE)
-def prepare_task(cfg: RunConfig) -> PrepareResult:
+def prepare_task(cfg: RunConfig, report: ProbeReport) -> PrepareResult:
     log = run_logger()
-    tokenizer = load_tokenizer(resolve_model(cfg.target.tokenizer_path or cfg.target.model_path))
-    res = prepare_dataset(
-        cfg.data,
-        resolve_source(cfg.data.source),
-        tokenizer,
-        Path(cfg.output_dir) / "prepared",
-        progress=lambda n, rate: log.info("prepare: %d rows read (%.0f rows/s)", n, rate),
-    )
+    res = stages.prepare(cfg, report, progress=lambda n, rate: log.info("prepare: %d rows read (%.0f rows/s)", n, rate))
     quarantine = load_quarantine(res)
     if quarantine:
         create_table_artifact(
