@@ -65,7 +65,11 @@ class TargetConfig(Section):
     attn_implementation: str | None = Field(
         None, description="e.g. 'sdpa', 'flash_attention_2'; None = library default."
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False,
+        description="Let transformers run Python code shipped with the checkpoint (models it does not know). "
+        "Only for checkpoints you trust; applies to every load of the model and its tokenizer.",
+    )
 
 
 class LayersConfig(Section):

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import head_from_model
 from dflash_pipeline.extraction.capture import LayerCapture
+
+if TYPE_CHECKING:
+    from dflash_pipeline.extraction.probe import ProbeReport
 
 
 @dataclass
@@ -170,20 +174,19 @@ def evaluate_acceptance(
 
 
 def evaluate_export(
-    export_dir: str, target_path: str, cfg: EvalConfig, baseline: bool = True, seed: int = 0
+    export_dir: str, report: ProbeReport, cfg: EvalConfig, baseline: bool = True, seed: int = 0
 ) -> AcceptanceReport:
     """Load the exported drafter and the target, evaluate (and, with `baseline`, an untrained drafter of
     the same architecture), and store the result in the export's dflash_meta.json."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from dflash_pipeline.drafter.export import load_drafter, update_meta
     from dflash_pipeline.drafter.runtime import resolve_device
-    from dflash_pipeline.extraction.probe import probe_dtype_kwarg
+    from dflash_pipeline.extraction.loader import load_planned
+    from dflash_pipeline.extraction.tokenizer import load_tokenizer
 
     device = str(resolve_device(cfg.device))
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_path, **{probe_dtype_kwarg(): dtype}).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(target_path)
+    target = load_planned(report, device, str(dtype).removeprefix("torch."))  # the extraction's loader
+    tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     drafter = load_drafter(export_dir, device, dtype)
     rep = evaluate_acceptance(drafter, target, tok, cfg)
     if baseline:

@@ -20,12 +20,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_pipeline.drafter.config import RegenerateConfig
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from dflash_pipeline.extraction.probe import ProbeReport
 
 
 @dataclass
@@ -114,7 +118,7 @@ def _generate(
 def regenerate(
     source: str,
     out_path: str | Path,
-    model_path: str,
+    report: ProbeReport,
     cfg: RegenerateConfig,
     *,
     fmt: str = "auto",
@@ -123,20 +127,16 @@ def regenerate(
     progress: Callable[[int, int], None] | None = None,
 ) -> RegenerateResult:
     """Regenerate assistant turns of `source` into `out_path` (resumable). progress(done, new_tokens)."""
-    from transformers import AutoTokenizer
-
     from dflash_pipeline.drafter.runtime import resolve_device
-    from dflash_pipeline.extraction.loader import load_target
-    from dflash_pipeline.extraction.probe import probe_dtype_kwarg
+    from dflash_pipeline.extraction.loader import load_planned
+    from dflash_pipeline.extraction.tokenizer import load_tokenizer
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
     device = resolve_device(cfg.device)
-    model = load_target(
-        model_path, probe_dtype_kwarg(), "bfloat16" if device.type == "cuda" else "float32", str(device)
-    )
-    tok = AutoTokenizer.from_pretrained(model_path)
+    model = load_planned(report, str(device), "bfloat16" if device.type == "cuda" else "float32")
+    tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     tok.padding_side = "left"
     eos = model.generation_config.eos_token_id
     stop = {tok.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])

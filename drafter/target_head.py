@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.model import FULL, SLIDING, DraftSpec
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.modelfiles import read_model_config
+
+if TYPE_CHECKING:
+    from dflash_pipeline.extraction.probe import ProbeReport
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +87,13 @@ def _by_suffix(model_path: str) -> dict[str, str] | None:
 
 
 def load_target_head(
-    model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, need_norm: bool = True
+    report: ProbeReport, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, need_norm: bool = True
 ) -> TargetHead:
-    """Without `need_norm` (no distillation) the target's modeling code is not even imported: the two
-    matrices are found by their usual names. Otherwise the module names come from a meta skeleton."""
+    """The target's embedding, final norm and lm_head, from the checkpoint `report` describes.
+
+    Without `need_norm` (no distillation) the target's modeling code is not even imported: the two matrices
+    are found by their usual names. Otherwise the module names come from a meta skeleton."""
+    model_path = report.model_path
     if not need_norm and (names := _by_suffix(model_path)):
         t = _read_tensors(model_path, list(names.values()))
         embed = nn.Embedding.from_pretrained(t[names["embed"]], freeze=True)
@@ -95,7 +102,7 @@ def load_target_head(
         return TargetHead(embed, None, head).to(device=device, dtype=dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=report.trust_remote_code)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     modules = {
@@ -110,7 +117,9 @@ def load_target_head(
         found[keys["lm_head"]] = found[keys["embed"]]
     if set(keys.values()) - set(found):  # unusual key layout: let transformers map it, load everything
         log.info("target head tensors %s not found by name; loading the whole target", set(keys.values()) - set(found))
-        full = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        from dflash_pipeline.extraction.loader import load_planned
+
+        full = load_planned(report, "cpu", str(dtype).removeprefix("torch."))
         return head_from_model(full).to(device)
     for k, m in modules.items():
         m.to_empty(device="cpu")

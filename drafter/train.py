@@ -31,6 +31,8 @@ from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, micro_per_epoch, setup
 from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
 from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.handoff import Handoff
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, float, float], None]  # (step, total_steps, loss, tokens_per_s)
@@ -77,9 +79,8 @@ class _Job:
 def _build(
     cfg: TrainConfig,
     store_root,
-    target_path: str,
+    report: ProbeReport,
     version,
-    tokenizer_path,
     dev: torch.device,
     store_options: dict | None = None,
 ) -> _Job:
@@ -94,11 +95,12 @@ def _build(
             "train.distill=true needs the target's last hidden state in the store: re-extract with "
             "layers.capture_last=true, or set train.distill=false"
         )
+    target_path = report.model_path
     tok = None
     if isinstance(cfg.mask_token, str):
-        from transformers import AutoTokenizer
+        from dflash_pipeline.extraction.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_path or target_path)
+        tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     mc = read_model_config(target_path)
     vocab = int((mc.get("text_config") or mc)["vocab_size"])
     spec = draft_spec(target_path, ds.layer_ids, cfg, mask_token_id(tok, cfg.mask_token, vocab))
@@ -113,7 +115,7 @@ def _build(
     if use_flex and dev.type != "cuda":
         raise ConfigError("train.attention='flex' needs a CUDA device; use 'sdpa' or 'auto' on CPU")
     compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    head = load_target_head(target_path, dev, compute, need_norm=cfg.distill)
+    head = load_target_head(report, dev, compute, need_norm=cfg.distill)
     model = DFlashDrafter(spec).to(dev)
     return _Job(cfg, ds, spec, head, model, model, dev, compute, use_flex)
 
@@ -147,22 +149,22 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
 def train(
     cfg: TrainConfig,
     store_root: str | Path,
-    target_path: str,
+    report: ProbeReport,
     output_dir: str | Path | None = None,
     *,
     version: str | None = None,
-    tokenizer_path: str | None = None,
     progress: Progress | None = None,
     store_options: dict | None = None,
 ) -> TrainResult:
     """Train (or resume from the latest checkpoint in output_dir) and export to <output_dir>/export.
-    `store_root`: a local path or s3://bucket/prefix (with its non-secret `store_options`)."""
+    `store_root`: a local path or s3://bucket/prefix (with its non-secret `store_options`); `report`: the
+    target (its embedding and lm_head, tokenizer, trust_remote_code) as the probe described it."""
     if not (output_dir or cfg.output_dir):
         raise ConfigError("train.output_dir is not set and no output_dir was given")
     out = Path(output_dir or cfg.output_dir)
     d = setup(cfg)
     torch.manual_seed(cfg.seed)
-    job = _build(cfg, store_root, target_path, version, tokenizer_path, d.device, store_options)
+    job = _build(cfg, store_root, report, version, d.device, store_options)
     model = job.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda")
     total = math.ceil(math.ceil(cfg.epochs * micro_per_epoch(len(job.ds), d.world, cfg.batch_size)) / cfg.grad_accum)
@@ -270,7 +272,7 @@ def train(
                         "train_config": cfg.model_dump(mode="json"),
                         "store": str(store_root),
                         "store_version": job.ds.version,
-                        "target": target_path,
+                        "target": report.model_path,
                         "steps": step,
                         "final_loss": result.final_loss,
                     },
@@ -283,6 +285,21 @@ def train(
     return result
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainJob(Handoff):
+    """What `python -m dflash_pipeline.drafter.train JOB.json` trains (torchrun runs one per GPU)."""
+
+    KIND = "train-job"
+    VERSION = 1
+
+    train: TrainConfig
+    store: str
+    store_options: dict | None = None
+    report: ProbeReport
+    output_dir: str
+    version: str | None = None
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun / subprocess entry: `python -m drafter.train job.json`. Exit 143 when stopped by SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -290,16 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m drafter.train JOB.json", file=sys.stderr)
         return 2
-    job = json.loads(Path(args[0]).read_text())
-    res = train(
-        TrainConfig.model_validate(job.get("train", {})),
-        job["store"],
-        job["target"],
-        job.get("output_dir"),
-        version=job.get("version"),
-        tokenizer_path=job.get("tokenizer"),
-        store_options=job.get("store_options"),
-    )
+    job = TrainJob.from_json(Path(args[0]).read_text(), where=args[0])
+    res = train(job.train, job.store, job.report, job.output_dir, version=job.version, store_options=job.store_options)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(res.output_dir, "result.json").write_text(json.dumps(res.to_dict(), indent=2))
     return 143 if res.interrupted else 0

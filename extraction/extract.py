@@ -31,7 +31,7 @@ from dflash_pipeline.extraction.batching import plan_batches
 from dflash_pipeline.extraction.capture import LayerCapture
 from dflash_pipeline.extraction.loader import forward_or_eager, load_compiled
 from dflash_pipeline.extraction.placement import input_device, replica_devices
-from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.storage.layout import DTYPES, to_storage
 from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers
 from dflash_pipeline.storage.store import Store
@@ -291,62 +291,30 @@ class _ToWriter:
         self.wait_s += time.monotonic() - t0
 
 
-def run_worker(
-    store_root: str,
-    version: str,
-    units: list[str],
-    report: ProbeReport,
-    device: str,
-    cfg: ExtractConfig,
-    store_dtype: str,
-    pad_id: int,
-    progress: Callable[[Progress], None] | None = None,
-    attn_implementation: str | None = None,
-    writers: int | None = None,
-    store_options: dict | None = None,
-) -> WorkerResult:
-    """`writers` overrides default_store_writers (benchmarks compare settings);
-    `store_options`: the non-secret options of an s3:// store (RunConfig.store_options)."""
-    store = Store(store_root, store_options)
-    result = WorkerResult(device=device, units=list(units))
-    todo = [u for u in units if not store.commit_record(version, u).get("complete")]
-    result.units_skipped = len(units) - len(todo)
+def run_worker(spec: WorkerSpec, progress: Callable[[Progress], None] | None = None) -> WorkerResult:
+    """Extract `spec.units` on `spec.device`; units already complete are skipped, a partial one resumes at
+    its commit record."""
+    store = Store(spec.store_root, spec.store_options)
+    result = WorkerResult(device=spec.device, units=list(spec.units))
+    todo = [u for u in spec.units if not store.commit_record(spec.version, u).get("complete")]
+    result.units_skipped = len(spec.units) - len(todo)
     if not todo:
-        log.info("%s: all %d units already complete; nothing to do", device, len(units))
+        log.info("%s: all %d units already complete; nothing to do", spec.device, len(spec.units))
         return result
     with ExitStack() as stack:  # writer processes stop, then their shared buffers go
-        return _extract(
-            stack,
-            store,
-            version,
-            todo,
-            report,
-            device,
-            cfg,
-            store_dtype,
-            pad_id,
-            progress,
-            attn_implementation,
-            writers,
-            result,
-        )
+        return _extract(stack, store, spec, todo, progress, result)
 
 
 def _extract(
     stack: ExitStack,
     store: Store,
-    version: str,
+    spec: WorkerSpec,
     todo: list[str],
-    report: ProbeReport,
-    device: str,
-    cfg: ExtractConfig,
-    store_dtype: str,
-    pad_id: int,
-    progress,
-    attn_implementation: str | None,
-    writers: int | None,
+    progress: Callable[[Progress], None] | None,
     result: WorkerResult,
 ) -> WorkerResult:
+    version, report, device, cfg, writers = spec.version, spec.report, spec.device, spec.extract, spec.writers
+    store_dtype, pad_id = spec.store_dtype, spec.report.pad_id
     t0 = time.monotonic()
     gpus = [d for d in replica_devices(device) if d.startswith("cuda")]
     first = input_device(device)
@@ -379,7 +347,7 @@ def _extract(
     # The shard buffers (pinned: page-locking ~2 GiB takes about a second) are made while the model loads.
     prefill = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="shard-buffers"))
     buffers_made = prefill.submit(writer_for(todo[0]).reserve_buffers)
-    model, mode, compiled = load_compiled(report, device, cfg.compile, attn_implementation)
+    model, mode, compiled = load_compiled(report, device, cfg.compile)
     if compiled:
         log.info(
             "%s: torch.compile on %d modules (extract.compile=%s: %s); the first batches compile them",

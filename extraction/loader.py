@@ -61,27 +61,27 @@ def load_target(
     return model
 
 
-def load_planned(report: ProbeReport, device: str, attn_implementation: str | None = None):
-    """The target as the probe planned it: its dtype keyword and compute dtype, and on a split replica the
-    same working-memory reserve and per-GPU cap."""
+def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
+    """The target as the probe planned it: its path, dtype keyword, compute dtype (unless `dtype` is given),
+    attention implementation and trust_remote_code, and on a split replica the same working-memory reserve
+    and per-GPU cap. Every stage that runs the target loads it here."""
     return load_target(
         report.model_path,
         report.dtype_kwarg,
-        report.compute_dtype,
+        dtype or report.compute_dtype,
         device,
-        attn_implementation,
+        report.attn_implementation,
+        trust_remote_code=report.trust_remote_code,
         working_bytes=report.working_gib * 2**30,
         max_gpu_memory_gib=report.max_gpu_memory_gib,
     )
 
 
-def load_compiled(
-    report: ProbeReport, device: str, compile_mode: str, attn_implementation: str | None = None
-) -> tuple[torch.nn.Module, str, int]:
+def load_compiled(report: ProbeReport, device: str, compile_mode: str) -> tuple[torch.nn.Module, str, int]:
     """load_planned, then extract.compile as resolved for `device`: (model, mode, modules compiled). The
     forward extraction stores and validation recomputes with. (Compiled and eager bf16 forwards of a
     36-layer dense model differ by ~2% relative at the deepest layers, near validation's 3% tolerance.)"""
-    model = load_planned(report, device, attn_implementation)
+    model = load_planned(report, device)
     gpus = [d for d in replica_devices(device) if d.startswith("cuda")]
     mode = resolve_compile(compile_mode, bool(gpus), report.layer_types, split=len(gpus) > 1)
     return model, mode, compile_modules(model, mode)

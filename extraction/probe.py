@@ -11,7 +11,7 @@ import json
 import logging
 import platform
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from dflash_pipeline.errors import CompatError, ConfigError
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
+from dflash_pipeline.handoff import Handoff
 
 log = logging.getLogger(__name__)
 GDN_PADDING_FIXED = "5.15.0"  # first transformers release where padded batches through GDN layers are right
@@ -36,14 +37,25 @@ class DeviceInfo:
 
 
 @dataclass
-class ProbeReport:
+class ProbeReport(Handoff):
+    """What the installed libraries and the target can do, and how to load the target: every process that
+    loads the model or its tokenizer (extraction workers, validation, training, evaluation, regeneration)
+    loads it from this record, so no stage can pick another path, dtype keyword or trust_remote_code."""
+
+    KIND = "probe-report"
+    VERSION = 2
+
     python: str
     torch_version: str
     transformers_version: str
     dtype_kwarg: str
     kernels: dict[str, bool]
     attn_implementations: list[str]
-    model_path: str
+    model_path: str  # absolute, resolved once in the parent (dflash_pipeline.specs.resolve_target)
+    tokenizer_path: str  # absolute; the model's directory unless target.tokenizer_path is set
+    trust_remote_code: bool
+    attn_implementation: str | None
+    pad_id: int  # the tokenizer's pad token, else its EOS, else 0
     architecture: str
     model_type: str
     num_layers: int
@@ -66,15 +78,6 @@ class ProbeReport:
     @property
     def hybrid(self) -> bool:
         return "linear_attention" in self.layer_types
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ProbeReport:
-        d = dict(d)
-        d["devices"] = [DeviceInfo(**x) for x in d["devices"]]
-        return cls(**d)
 
     def to_markdown(self) -> str:
         kinds = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in self.kernels.items())
@@ -233,10 +236,16 @@ def compute_dtype(cfg: TargetConfig, devices: list[str]) -> str:
     return "bfloat16" if all(d.startswith("cuda") for d in devices) else "float32"
 
 
-def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, model_path: str) -> ProbeReport:
+def probe(
+    target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, model_path: str, tokenizer_path: str
+) -> ProbeReport:
+    """`model_path` and `tokenizer_path`: absolute local directories (dflash_pipeline.specs.resolve_target)."""
     import transformers
 
+    from dflash_pipeline.extraction.tokenizer import load_tokenizer, pad_token_id
+
     mc = read_model_config(model_path)
+    tok = load_tokenizer(tokenizer_path, target.trust_remote_code)
     text = mc.get("text_config") or mc  # multimodal checkpoints (qwen3_5) nest the language model
     num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
     layer_types = list(text.get("layer_types") or ["full_attention"] * num_layers)
@@ -298,6 +307,10 @@ def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, mo
         kernels=kernels,
         attn_implementations=attn,
         model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        trust_remote_code=target.trust_remote_code,
+        attn_implementation=target.attn_implementation,
+        pad_id=pad_token_id(tok),
         architecture=(mc.get("architectures") or ["?"])[0],
         model_type=mc.get("model_type", "?"),
         num_layers=num_layers,
@@ -319,4 +332,4 @@ def probe(target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, mo
 
 
 def save_report(report: ProbeReport, path: Path) -> None:
-    Path(path).write_text(json.dumps(report.to_dict(), indent=2))
+    Path(path).write_text(json.dumps(report.to_dict(), indent=2))  # for people; processes get to_json()

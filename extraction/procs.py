@@ -20,11 +20,13 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.extraction.extract import Progress, WorkerResult
 from dflash_pipeline.extraction.placement import replica_devices
+from dflash_pipeline.extraction.spec import WorkerSpec
 
 PREFIX = "@@dflash "
 
@@ -48,15 +50,13 @@ def child_env(device: str) -> tuple[dict[str, str], str]:
 
 
 def run_in_process(
-    spec: dict[str, Any],
-    device: str,
-    progress: Callable[[Progress], None] | None = None,
-    timeout_s: float | None = None,
+    spec: WorkerSpec, progress: Callable[[Progress], None] | None = None, timeout_s: float | None = None
 ) -> WorkerResult:
+    """Run `spec` (its device named as the parent sees it) in a child pinned to that device."""
+    device = spec.device
     env, local_device = child_env(device)
-    spec = {**spec, "device": local_device, "label": device}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
+        f.write(replace(spec, device=local_device, label=device).to_json())
         spec_path = f.name
     tail: deque[str] = deque(maxlen=40)
     outcome: dict[str, Any] = {}

@@ -11,14 +11,14 @@ import json
 import logging
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from dflash_pipeline import PACKAGE_LOGGER
-from dflash_pipeline.config import ExtractConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.extraction.devicelock import device_lock
 from dflash_pipeline.extraction.extract import Progress, run_worker
-from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.procs import PREFIX
+from dflash_pipeline.extraction.spec import WorkerSpec
 
 
 def _send(kind: str, **payload) -> None:
@@ -40,30 +40,17 @@ def main(spec_path: str) -> int:
     logging.getLogger(PACKAGE_LOGGER).addHandler(handler)
     logging.getLogger(PACKAGE_LOGGER).setLevel(logging.INFO)
 
-    spec = json.loads(open(spec_path).read())
-    label = spec["label"]
     try:
-        if spec["device"] == "cpu" and spec.get("threads"):
-            torch.set_num_threads(spec["threads"])
-        with device_lock(label, spec["store_root"]):
+        spec = WorkerSpec.from_json(Path(spec_path).read_text(), where=spec_path)
+        if spec.device == "cpu" and spec.threads:
+            torch.set_num_threads(spec.threads)
+        with device_lock(spec.name, spec.store_root):
 
             def progress(p: Progress) -> None:
-                _send("progress", data={**asdict(p), "device": label})
+                _send("progress", data={**asdict(p), "device": spec.name})
 
-            result = run_worker(
-                spec["store_root"],
-                spec["version"],
-                spec["units"],
-                ProbeReport.from_dict(spec["report"]),
-                spec["device"],
-                ExtractConfig.model_validate(spec["extract"]),
-                spec["store_dtype"],
-                spec["pad_id"],
-                progress=progress,
-                attn_implementation=spec.get("attn_implementation"),
-                store_options=spec.get("store_options"),
-            )
-        result.device = label
+            result = run_worker(spec, progress=progress)
+        result.device = spec.name
         _send("result", data=result.to_dict())
         return 0
     except PipelineError as e:

@@ -14,10 +14,10 @@ from prefect import flow
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.placement import replica_devices
-from dflash_pipeline.extraction.plan import assign_units
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.tasks.extract import extract_worker_task
@@ -34,18 +34,16 @@ def _ray_workers(cfg: RunConfig, report: ProbeReport) -> tuple[int, dict]:
 
 
 @flow(name="extract-on-ray", flow_run_name="extract on ray ({plan.version})")
-def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: int) -> list[WorkerResult]:
+def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
     n, resources = _ray_workers(cfg, report)
-    assignment = assign_units(plan.pending_units, [f"ray:{i}" for i in range(n)])
     worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
+    specs = stages.worker_specs(cfg, report, plan, [f"ray:{i}" for i in range(n)])
     with remote_options(**resources):
-        futures = [
-            worker.submit(cfg, report, plan.version, units, device, pad_id) for device, units in assignment.items()
-        ]
+        futures = [worker.submit(spec) for spec in specs]
     return [f.result() for f in futures]
 
 
-def run_on_ray(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: int) -> list[WorkerResult]:
+def run_on_ray(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
     from prefect.settings import PREFECT_API_URL
 
     env = {"PREFECT_API_URL": PREFECT_API_URL.value()} if PREFECT_API_URL.value() else {}
@@ -53,4 +51,4 @@ def run_on_ray(cfg: RunConfig, report: ProbeReport, plan: PlanResult, pad_id: in
     if not cfg.extract.ray_address:
         init["num_cpus"] = max(cfg.extract.ray_workers, 1) * cfg.extract.ray_cpus_per_worker
     runner = RayTaskRunner(address=cfg.extract.ray_address, init_kwargs=init)
-    return ray_extract.with_options(task_runner=runner)(cfg, report, plan, pad_id)
+    return ray_extract.with_options(task_runner=runner)(cfg, report, plan)

@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import torch
 from prefect import task
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -18,12 +11,12 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
+from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.drafter.evaluate import AcceptanceReport, evaluate_export
-from dflash_pipeline.drafter.regenerate import RegenerateResult, regenerate
-from dflash_pipeline.drafter.train import TrainResult, train
-from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.drafter.evaluate import AcceptanceReport
+from dflash_pipeline.drafter.regenerate import RegenerateResult
+from dflash_pipeline.drafter.train import TrainResult
+from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, run_logger
 
 
@@ -34,20 +27,11 @@ from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, 
     retries=2,
     retry_condition_fn=retry_unless_user_error,
 )
-def regenerate_task(cfg: RunConfig) -> RegenerateResult:
+def regenerate_task(cfg: RunConfig, report: ProbeReport) -> RegenerateResult:
     """Rewrite the assistant turns with the target itself (resumable: a retry continues the file)."""
     log = run_logger()
-    out = Path(cfg.output_dir) / "regenerated" / "conversations.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    res = regenerate(
-        resolve_source(cfg.data.source),
-        out,
-        resolve_model(cfg.target.model_path),
-        cfg.regenerate,
-        fmt=cfg.data.format,
-        split=cfg.data.split,
-        max_samples=cfg.data.max_samples,
-        progress=lambda done, toks: log.info("regenerated %d conversations, %d new tokens", done, toks),
+    res = stages.regenerate(
+        cfg, report, progress=lambda done, toks: log.info("regenerated %d conversations, %d new tokens", done, toks)
     )
     create_markdown_artifact(
         key=artifact_key("regenerated"),
@@ -66,62 +50,19 @@ def regenerate_task(cfg: RunConfig) -> RegenerateResult:
     retries=1,
     retry_condition_fn=retry_unless_user_error,
 )
-def train_task(cfg: RunConfig, version: str | None) -> TrainResult:
+def train_task(cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult:
     """One process on CPU or one GPU; torchrun over every GPU otherwise. Resumes from the last checkpoint."""
     log = run_logger()
-    out = cfg.drafter_dir
-    target = resolve_model(cfg.target.model_path)
-    gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
-    if gpus > 1:
-        result = _torchrun(cfg, version, target, out, gpus)
-    else:
-        artifact_id = create_progress_artifact(
-            progress=0.0, key=artifact_key("train-progress"), description="drafter training"
-        )
+    artifact_id = create_progress_artifact(progress=0.0, key=artifact_key("train-progress"), description="training")
 
-        def progress(step: int, total: int, loss: float, tps: float) -> None:
-            update_progress_artifact(artifact_id=artifact_id, progress=100.0 * step / max(total, 1))
-            log.info("train step %d/%d loss %.4f, %.0f tokens/s", step, total, loss, tps)
+    def progress(step: int, total: int, loss: float, tps: float) -> None:
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * step / max(total, 1))
+        log.info("train step %d/%d loss %.4f, %.0f tokens/s", step, total, loss, tps)
 
-        result = train(
-            cfg.train, cfg.store, target, out, version=version, progress=progress, store_options=cfg.store_options
-        )
+    result = stages.train(cfg, report, version, progress=progress)
+    update_progress_artifact(artifact_id=artifact_id, progress=100.0)
     _publish_training(result)
     return result
-
-
-def _torchrun(cfg: RunConfig, version: str | None, target: str, out: Path, gpus: int) -> TrainResult:
-    out.mkdir(parents=True, exist_ok=True)
-    job = out / "job.json"
-    job.write_text(
-        json.dumps(
-            {
-                "train": cfg.train.model_dump(mode="json"),
-                "store": cfg.store,
-                "store_options": cfg.store_options,
-                "target": target,
-                "output_dir": str(out),
-                "version": version,
-            }
-        )
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={gpus}",
-        "-m",
-        "dflash_pipeline.drafter.train",
-        str(job),
-    ]
-    run_logger().info("launching %s", " ".join(cmd))
-    proc = subprocess.run(cmd, env=dict(os.environ))
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"torchrun drafter training exited with {proc.returncode}; a retry resumes from "
-            f"the last checkpoint in {out / 'checkpoints'}"
-        )
-    return TrainResult(**json.loads((out / "result.json").read_text()))
 
 
 def _publish_training(r: TrainResult) -> None:
@@ -149,18 +90,16 @@ def _publish_training(r: TrainResult) -> None:
 
 
 @task(name="evaluate-drafter", task_run_name="acceptance on held-out prompts", cache_policy=NO_CACHE)
-def evaluate_task(cfg: RunConfig, export_dir: str) -> AcceptanceReport:
-    if not export_dir or not Path(export_dir).exists():
-        raise PipelineError(f"no exported drafter at {export_dir!r}: run the train stage first")
-    report = evaluate_export(export_dir, resolve_model(cfg.target.model_path), cfg.evaluate, baseline=True)
+def evaluate_task(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
+    result = stages.evaluate(cfg, report, export_dir)
     create_markdown_artifact(
         key=artifact_key("acceptance"),
-        markdown=report.to_markdown(),
+        markdown=result.to_markdown(),
         description="acceptance length on held-out prompts",
     )
     run_logger().info(
         "acceptance length %.3f (untrained drafter %.3f)",
-        report.acceptance_length,
-        report.untrained_acceptance_length or float("nan"),
+        result.acceptance_length,
+        result.untrained_acceptance_length or float("nan"),
     )
-    return report
+    return result

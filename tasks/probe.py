@@ -8,15 +8,15 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.embedded import resolve_model
-from dflash_pipeline.extraction.probe import ProbeReport, probe, save_report
+from dflash_pipeline.extraction.probe import ProbeReport, save_report
 from dflash_pipeline.tasks.common import artifact_key, run_logger
 
 
 @task(name="probe-compatibility", task_run_name="probe {cfg.target.model_path}", cache_policy=NO_CACHE)
 def probe_task(cfg: RunConfig) -> ProbeReport:
-    report = probe(cfg.target, cfg.layers, cfg.extract, resolve_model(cfg.target.model_path))
+    report = stages.probe(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_report(report, out / "probe.json")

@@ -13,12 +13,10 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.config import RunConfig, load_config
-from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
-from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.extraction.extract import WorkerResult, run_worker
-from dflash_pipeline.extraction.plan import plan_extraction, store_dtype
-from dflash_pipeline.extraction.probe import ProbeReport, probe
-from dflash_pipeline.extraction.tokenizer import load_tokenizer
+from dflash_pipeline.dataprep.prepare import PrepareResult
+from dflash_pipeline.extraction.extract import WorkerResult
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage.store import PlanResult, Store
 
 
@@ -36,34 +34,18 @@ class Extracted:
 
 
 def config(out: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    base = {"output_dir": str(out), "extract.devices": "cpu"}
+    base = {"output_dir": str(out), "extract.devices": "cpu", "extract.isolation": "thread"}
     return load_config(None, {**base, **(overrides or {})})
 
 
-def prepare(cfg: RunConfig) -> PrepareResult:
-    tok = load_tokenizer(resolve_model(cfg.target.model_path))
-    return prepare_dataset(cfg.data, resolve_source(cfg.data.source), tok, Path(cfg.output_dir) / "prepared")
-
-
 def extract_local(out: Path, overrides: dict[str, Any] | None = None) -> Extracted:
-    cfg = config(out, overrides)
-    tok = load_tokenizer(resolve_model(cfg.target.model_path))
-    prepared = prepare(cfg)
-    report = probe(cfg.target, cfg.layers, cfg.extract, resolve_model(cfg.target.model_path))
-    plan = plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
-    units = Store(cfg.store, cfg.store_options).units(plan.version)  # all: complete ones are skipped cheaply
-    result = run_worker(
-        cfg.store,
-        plan.version,
-        units,
-        report,
-        "cpu",
-        cfg.extract,
-        store_dtype(cfg, report),
-        tok.pad_token_id,
-        store_options=cfg.store_options,
-    )
-    return Extracted(cfg, prepared, report, plan, result)
+    """prepare + extract through the pipeline's own stage order, without Prefect, the worker in this process."""
+    cfg = config(out, {"stages": ["prepare", "extract"], **(overrides or {})})
+    runner = LocalRunner()
+    run_pipeline(cfg, runner)
+    r = runner.results
+    workers = r["extract"] or [WorkerResult(device="cpu", units=[])]
+    return Extracted(cfg, r["prepare"], r["probe"], r["plan"], workers[0])
 
 
 # The kill tests' extraction: several units, several 273-token shards each, several batches per shard.

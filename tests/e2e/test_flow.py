@@ -43,10 +43,10 @@ def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_
     state = dflash_pipeline(overrides=overrides, return_state=True)  # every default stage, train included
     assert state.is_completed(), state
     summary = state.result()
-    assert summary["validation"] == "PASS" and summary["new_samples"] == 30 and summary["forward_passes"] > 0
-    assert 1.0 <= summary["acceptance_length"] <= 4 and (tmp_path / "drafter" / "export" / "config.json").exists()
+    assert summary.validation == "PASS" and summary.new_samples == 30 and summary.forward_passes > 0
+    assert 1.0 <= summary.acceptance_length <= 4 and (tmp_path / "drafter" / "export" / "config.json").exists()
     store = Store(tmp_path / "store")
-    assert store.current() == summary["version"] == "v0001"
+    assert store.current() == summary.version == "v0001"
     keys = {a.key for a in _artifacts(state.state_details.flow_run_id)}
     assert {
         "prepared-dataset",
@@ -125,7 +125,7 @@ def test_two_worker_processes_one_killed_is_retried_and_resumes(prefect_harness,
     assert state.is_completed(), state
     assert (tmp_path / "killed-once").exists()  # a worker really died
     summary = state.result()
-    assert summary["validation"] == "PASS" and len(HiddenStateDataset(tmp_path / "store")) == 40
+    assert summary.validation == "PASS" and len(HiddenStateDataset(tmp_path / "store")) == 40
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId

@@ -30,8 +30,8 @@ def test_flow_on_s3_with_worker_processes(s3, prefect_harness, model_dir, tmp_pa
             },
         )
     )
-    assert summary["validation"] == "PASS" and summary["store"] == url and summary["current"] == "v0001"
-    assert summary["forward_passes"] > 0 and not (tmp_path / "store").exists()
+    assert summary.validation == "PASS" and summary.store == url and summary.current == "v0001"
+    assert summary.forward_passes > 0 and not (tmp_path / "store").exists()
     store = Store(url, s3.options)
     assert json.loads(store.loc.read_bytes("v0001/validation.json"))["ok"]
     assert not store.loc.exists(".lock")  # the lease was released

@@ -23,5 +23,5 @@ def test_ray_engine_extracts_and_validates(prefect_harness, model_dir, tmp_path)
         "stages": ["prepare", "probe", "extract", "validate"],
     }
     summary = dflash_pipeline(overrides=overrides)
-    assert summary["validation"] == "PASS" and summary["new_samples"] == 30
+    assert summary.validation == "PASS" and summary.new_samples == 30
     assert len(HiddenStateDataset(tmp_path / "store")) == 30

@@ -16,7 +16,7 @@ from dflash_pipeline.extraction.probe import probe, probe_dtype_kwarg
 
 
 def test_probe_reports_the_hybrid_model(model_dir):
-    r = probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), model_dir)
+    r = probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), model_dir, model_dir)
     assert r.dtype_kwarg == "dtype"  # transformers >= 4.56
     assert r.model_type == "qwen3_5_text" and r.num_layers == 8 and r.hidden_size == 64 and r.hybrid
     assert r.layer_types[3] == "full_attention" and r.layer_types[2] == "linear_attention"
@@ -43,28 +43,28 @@ def test_refuses_gdn_with_old_transformers(model_dir, monkeypatch):
 
     monkeypatch.setattr(transformers, "__version__", "5.10.0")
     with pytest.raises(CompatError, match=r"transformers>=5\.15"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), model_dir)
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), model_dir, model_dir)
 
 
 def test_placement_error_says_what_is_needed(model_dir):
     with pytest.raises(CompatError, match=r"needs ~\d+.*GiB.*extract.token_budget"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu", token_budget=10**9), model_dir)
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu", token_budget=10**9), model_dir, model_dir)
 
 
 def test_missing_and_corrupt_model_files(model_dir, tmp_path):
     with pytest.raises(CompatError, match="not a directory"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(tmp_path / "nope"))
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(tmp_path / "nope"), model_dir)
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CompatError, match="model.safetensors is corrupt"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken))
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken), model_dir)
     (broken / "config.json").write_text("{oops")
     with pytest.raises(CompatError, match="config.json is corrupt"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken))
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken), model_dir)
     (broken / "config.json").unlink()
     with pytest.raises(CompatError, match="no config.json"):
-        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken))
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(broken), model_dir)
     shutil.copy(f"{model_dir}/config.json", broken / "config.json")
     with pytest.raises(CompatError, match="cannot load the target"):
         load_target(str(broken), "dtype", "float32", "cpu")

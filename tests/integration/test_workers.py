@@ -29,22 +29,22 @@ def test_hung_worker_is_killed_at_its_timeout(small_store):
     import time
 
     from dflash_pipeline.extraction.procs import WorkerCrashed, run_in_process
+    from dflash_pipeline.extraction.spec import WorkerSpec
 
     ex = small_store
-    spec = {
-        "store_root": ex.store,
-        "version": ex.plan.version,
-        "units": [],
-        "report": ex.report.to_dict(),
-        "extract": ex.cfg.extract.model_dump(mode="json"),
-        "store_dtype": "float32",
-        "pad_id": 0,
-        "attn_implementation": None,
-        "threads": 1,
-    }
+    spec = WorkerSpec(
+        store_root=ex.store,
+        version=ex.plan.version,
+        units=[],
+        report=ex.report,
+        extract=ex.cfg.extract,
+        store_dtype="float32",
+        device="cpu:0",
+        threads=1,
+    )
     t0 = time.monotonic()
     with pytest.raises(WorkerCrashed, match="did not finish within extract.worker_timeout_s=1 s and was killed"):
-        run_in_process(spec, "cpu:0", timeout_s=1.0)
+        run_in_process(spec, timeout_s=1.0)
     assert time.monotonic() - t0 < 15
     leftovers = subprocess.run(
         ["pgrep", "-f", "dflash_pipeline.extraction.worker_main"], capture_output=True, text=True

@@ -1,0 +1,332 @@
+"""The pipeline's stages as plain functions, and the one place that says in which order they run.
+
+Each stage takes the run config and earlier stages' typed results and returns a typed result; none imports
+Prefect. `run_pipeline(cfg, runner)` is the order: flows/pipeline.py passes a runner whose methods are
+Prefect tasks (artifacts, retries, one task per device), tests and benchmarks pass `LocalRunner`, which calls
+the stage functions directly. So a change to the pipeline's shape is made here, once.
+
+    probe -> [regenerate] -> prepare -> plan -> extract (one worker per device) -> validate -> promote CURRENT
+    -> prune -> train -> evaluate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.drafter.evaluate import AcceptanceReport, evaluate_export
+from dflash_pipeline.drafter.regenerate import RegenerateResult
+from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
+from dflash_pipeline.drafter.train import TrainResult
+from dflash_pipeline.embedded import resolve_model, resolve_source
+from dflash_pipeline.errors import ConfigError, PipelineError
+from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
+from dflash_pipeline.extraction.plan import assign_units, plan_extraction, store_dtype
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.extraction.probe import probe as probe_target
+from dflash_pipeline.extraction.spec import WorkerSpec
+from dflash_pipeline.extraction.tokenizer import load_tokenizer
+from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
+from dflash_pipeline.storage.store import PlanResult, Store
+
+
+# ---- paths ------------------------------------------------------------------------------------------------
+def _local(path: str) -> str:
+    """`~` and $VARS expanded, made absolute against this process's working directory."""
+    return os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
+
+
+def resolve_paths(cfg: RunConfig) -> RunConfig:
+    """The config with every local path absolute (`~` and environment variables expanded), resolved once in
+    the parent, so that no worker, task or deployment run depends on its own working directory. URLs
+    (s3://...), hub dataset names and 'embedded' stay as written."""
+    target = cfg.target.model_copy(
+        update={
+            "model_path": cfg.target.model_path
+            if cfg.target.model_path == "embedded"
+            else _local(cfg.target.model_path),
+            "tokenizer_path": cfg.target.tokenizer_path and _local(cfg.target.tokenizer_path),
+        }
+    )
+    source = cfg.data.source
+    if source != "embedded" and (os.path.exists(_local(source)) or source.startswith((".", "/", "~", "$"))):
+        source = _local(source)
+    update: dict[str, Any] = {
+        "output_dir": _local(cfg.output_dir),
+        "target": target,
+        "data": cfg.data.model_copy(update={"source": source}),
+        "train": cfg.train.model_copy(update={"output_dir": cfg.train.output_dir and _local(cfg.train.output_dir)}),
+    }
+    if cfg.store_path and "://" not in cfg.store_path:
+        update["store_path"] = _local(cfg.store_path)
+    return cfg.model_copy(update=update)
+
+
+def target_paths(cfg: RunConfig) -> tuple[str, str]:
+    """(model directory, tokenizer directory), 'embedded' built on first use."""
+    model = resolve_model(cfg.target.model_path)
+    return model, resolve_model(cfg.target.tokenizer_path) if cfg.target.tokenizer_path else model
+
+
+# ---- the stages -------------------------------------------------------------------------------------------
+def probe(cfg: RunConfig) -> ProbeReport:
+    """What the libraries and the target can do and how to load it; checks model, tokenizer and layer ids
+    before any data is touched."""
+    model, tokenizer = target_paths(cfg)
+    return probe_target(cfg.target, cfg.layers, cfg.extract, model, tokenizer)
+
+
+def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, int], None] | None = None):
+    """The dataset's assistant turns rewritten by the target (resumable); returns RegenerateResult."""
+    out = Path(cfg.output_dir) / "regenerated" / "conversations.jsonl"
+    return regenerate_responses(
+        resolve_source(cfg.data.source),
+        out,
+        report,
+        cfg.regenerate,
+        fmt=cfg.data.format,
+        split=cfg.data.split,
+        max_samples=cfg.data.max_samples,
+        progress=progress,
+    )
+
+
+def prepare(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, float], None] | None = None):
+    """Token ids and assistant loss masks (reused when the same preparation exists)."""
+    tokenizer = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
+    out = Path(cfg.output_dir) / "prepared"
+    return prepare_dataset(cfg.data, resolve_source(cfg.data.source), tokenizer, out, progress=progress)
+
+
+def plan(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult:
+    """The store version and its units (new, and not yet complete)."""
+    tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
+    return plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
+
+
+def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices: list[str] | None = None):
+    """One WorkerSpec per device (or split replica), pending units balanced by tokens."""
+    devices = devices or report.replicas
+    n_cpu = sum(d.startswith("cpu") for d in devices)
+    threads = max(1, (os.cpu_count() or 1) // max(n_cpu, 1))
+    return [
+        WorkerSpec(
+            store_root=cfg.store,
+            store_options=cfg.store_options,
+            version=plan.version,
+            units=units,
+            report=report,
+            extract=cfg.extract,
+            store_dtype=store_dtype(cfg, report),
+            device=device,
+            threads=threads if device.startswith("cpu") else None,
+        )
+        for device, units in assign_units(plan.pending_units, devices).items()
+    ]
+
+
+def extract(spec: WorkerSpec, progress: Callable[[Progress], None] | None = None) -> WorkerResult:
+    """One worker: in a child process pinned to its device (extract.isolation=process), else in this one."""
+    if spec.extract.isolation == "process" and not spec.device.startswith("ray:"):
+        from dflash_pipeline.extraction.procs import run_in_process
+
+        return run_in_process(spec, progress, spec.extract.worker_timeout_s)
+    return run_worker(spec, progress)
+
+
+def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str) -> ValidationReport:
+    """Check `version` and record the report in the store (validation.json); CURRENT is not moved here."""
+    import json
+
+    from dflash_pipeline.extraction.loader import load_compiled
+    from dflash_pipeline.extraction.placement import input_device
+    from dflash_pipeline.extraction.validate import validate_store
+
+    device = report.replicas[0]  # one GPU, or the GPUs of a split replica
+    store = Store(cfg.store, cfg.store_options)
+    model = None
+    if cfg.validate_.recompute_samples:  # the forward extraction ran (extract.compile), on the same devices
+        model, _, _ = load_compiled(report, device, cfg.extract.compile)
+    result = validate_store(store, version, prepared, cfg.validate_, model=model, device=input_device(device))
+    store.loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict(), indent=1).encode())
+    return result
+
+
+def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> TrainResult:
+    """Train (resuming from the last checkpoint) and export the drafter: one process on CPU or one GPU,
+    torchrun over every GPU otherwise."""
+    import torch
+
+    from dflash_pipeline.drafter.launch import train_with_torchrun
+    from dflash_pipeline.drafter.train import train as train_drafter
+
+    gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
+    if gpus > 1:
+        return train_with_torchrun(cfg, report, version, gpus)
+    return train_drafter(
+        cfg.train,
+        cfg.store,
+        report,
+        cfg.drafter_dir,
+        version=version,
+        progress=progress,
+        store_options=cfg.store_options,
+    )
+
+
+def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
+    """Acceptance length of the exported drafter on held-out prompts (and of an untrained one)."""
+    if not export_dir or not Path(export_dir).exists():
+        raise PipelineError(f"no exported drafter at {export_dir!r}: run the train stage first")
+    return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
+
+
+# ---- the order --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class RunSummary:
+    """What a run did; the CLI prints it, the flow returns it, the summary artifact shows it."""
+
+    output_dir: str
+    store: str
+    layer_ids: list[int] = field(default_factory=list)
+    regenerated: str | None = None
+    prepared: str | None = None
+    version: str | None = None
+    units: int | None = None
+    new_units: int | None = None
+    new_samples: int | None = None
+    tokens_extracted: int | None = None
+    forward_passes: int | None = None
+    previous_current: str | None = None
+    current: str | None = None
+    validation: str | None = None  # PASS / FAIL, None when not run
+    pruned: list[str] = field(default_factory=list)
+    drafter: str | None = None
+    final_loss: float | None = None
+    acceptance_length: float | None = None
+    untrained_acceptance_length: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Runner(Protocol):
+    """How each stage runs: directly (LocalRunner) or as a Prefect task (flows/pipeline.py)."""
+
+    def probe(self, cfg: RunConfig) -> ProbeReport: ...
+    def regenerate(self, cfg: RunConfig, report: ProbeReport) -> RegenerateResult: ...
+    def prepare(self, cfg: RunConfig, report: ProbeReport) -> PrepareResult: ...
+    def plan(self, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult: ...
+    def extract(self, cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]: ...
+    def validate(
+        self, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str
+    ) -> ValidationReport: ...
+    def train(self, cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult: ...
+    def evaluate(self, cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport: ...
+    def extracted(self, summary: RunSummary) -> None: ...
+
+
+class LocalRunner:
+    """Every stage called in this process, workers one after another (tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}  # each stage's typed result, for callers that want more than the summary
+
+    def _keep(self, name: str, value):
+        self.results[name] = value
+        return value
+
+    def probe(self, cfg):
+        return self._keep("probe", probe(cfg))
+
+    def regenerate(self, cfg, report):
+        return self._keep("regenerate", regenerate(cfg, report))
+
+    def prepare(self, cfg, report):
+        return self._keep("prepare", prepare(cfg, report))
+
+    def plan(self, cfg, report, prepared):
+        return self._keep("plan", plan(cfg, report, prepared))
+
+    def extract(self, cfg, report, plan_):
+        return self._keep("extract", [extract(s) for s in worker_specs(cfg, report, plan_)])
+
+    def validate(self, cfg, report, prepared, version):
+        return self._keep("validate", validate(cfg, report, prepared, version))
+
+    def train(self, cfg, report, version):
+        return self._keep("train", train(cfg, report, version))
+
+    def evaluate(self, cfg, report, export_dir):
+        return self._keep("evaluate", evaluate(cfg, report, export_dir))
+
+    def extracted(self, summary):
+        pass
+
+
+def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
+    """Run the configured stages in the pipeline's order. Every stage resumes from its own durable record, so
+    a rerun after a crash (or on a finished store) redoes no finished work."""
+    cfg = resolve_paths(cfg)
+    stages = set(cfg.stages)
+    if not stages:
+        raise ConfigError(
+            "stages is empty: name at least one of regenerate, prepare, extract, validate, train, evaluate"
+        )
+    summary = RunSummary(output_dir=cfg.output_dir, store=cfg.store)
+    store = Store(cfg.store, cfg.store_options)
+    if stages & {"extract", "validate"}:  # an unwritable or unreachable store fails now, before any work
+        store.check_writable()
+    report = runner.probe(cfg)  # model, tokenizer and layer ids are checked before the data is touched
+    summary.layer_ids = report.layer_ids
+    if "regenerate" in stages or cfg.regenerate.enabled:
+        regenerated = runner.regenerate(cfg, report)  # the target's own answers replace the dataset's
+        data = cfg.data.model_copy(update={"source": regenerated.path, "format": "messages"})
+        cfg = cfg.model_copy(update={"data": data})
+        summary.regenerated = regenerated.path
+    prepared = None
+    if stages & {"prepare", "extract", "validate"}:
+        prepared = runner.prepare(cfg, report)
+        summary.prepared = prepared.path
+    if stages & {"extract", "validate"}:
+        with store.lock():  # one run per store at a time, whichever deployment started it
+            summary.previous_current = store.current()
+            plan_ = runner.plan(cfg, report, prepared)
+            summary.version, summary.units = plan_.version, plan_.n_units
+            summary.new_units, summary.new_samples = len(plan_.new_units), plan_.new_samples
+            if "extract" in stages:
+                results = runner.extract(cfg, report, plan_)
+                summary.tokens_extracted = sum(r.tokens for r in results)
+                summary.forward_passes = sum(r.forward_passes for r in results)
+            elif plan_.pending_units:
+                raise PipelineError(
+                    f"stages has validate without extract, but {len(plan_.pending_units)} units of "
+                    f"{plan_.version_path} are not extracted yet: add extract to stages"
+                )
+            if "validate" in stages:
+                validation = runner.validate(cfg, report, prepared, plan_.version)
+                summary.validation = "PASS" if validation.ok else "FAIL"
+                raise_if_failed(validation)  # CURRENT stays where it was
+                store.set_current(plan_.version)  # readers follow CURRENT: only ever a validated version
+                summary.pruned = store.prune(cfg.extract.keep_versions)
+            summary.current = store.current()
+        runner.extracted(summary)
+    if "train" in stages:
+        version = summary.current or store.current()
+        if version is None:
+            raise PipelineError(
+                f"no validated store version under {cfg.store} to train on: run the extract and validate stages first"
+            )
+        trained = runner.train(cfg, report, version)
+        summary.drafter, summary.final_loss = trained.export_dir, trained.final_loss
+    if "evaluate" in stages:
+        acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
+        summary.acceptance_length = round(acceptance.acceptance_length, 3)
+        summary.untrained_acceptance_length = acceptance.untrained_acceptance_length
+    return summary
