@@ -1,0 +1,86 @@
+"""The package as a user installs it: `pip install .` (a wheel, not editable) gives exactly one top-level import
+name, ships its deployments, and the installed CLI runs the pipeline from any directory, writing one store
+where a relative output_dir says (resolved against the directory the user ran it in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory) -> Path:
+    """A fresh virtualenv holding the wheel built from this checkout; its dependencies come from the test
+    environment's site-packages (a path entry, so this environment's editable install is not seen)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (wheel,) = tmp.glob("dflash_pipeline-*.whl")
+    pyver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "lib" / pyver / "site-packages" / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return venv
+
+
+def test_the_wheel_installs_one_top_level_name(wheel_env):
+    (wheel,) = wheel_env.parent.glob("dflash_pipeline-*.whl")
+    top = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist() if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"dflash_pipeline"}, top
+    out = subprocess.run(
+        [
+            str(wheel_env / "bin" / "python"),
+            "-c",
+            "import dflash_pipeline, dflash_pipeline.flows.pipeline as f, dflash_pipeline.deployments as d;"
+            "print(dflash_pipeline.__file__, f.__file__, d.PREFECT_FILE.exists())",
+        ],
+        cwd=wheel_env.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    site_dir = str(wheel_env / "lib")
+    assert out[0].startswith(site_dir) and out[1].startswith(site_dir) and out[2] == "True", out
+
+
+def test_the_installed_cli_runs_from_another_directory_with_a_relative_output_dir(wheel_env, model_dir, tmp_path):
+    """Run as a user would, from a directory of their own: the store lands under that directory, once."""
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env.pop("PREFECT_API_URL", None)
+    res = subprocess.run(
+        [str(wheel_env / "bin" / "dflash-pipeline"), "run"]
+        + ["--set", "output_dir=out", "--set", "data.max_samples=8", "--set", "extract.devices=cpu"]
+        + ["--set", "layers.num_draft_layers=2", "--set", "stages=[prepare,extract,validate]"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout[res.stdout.index("{") : res.stdout.rindex("}") + 1])
+    assert summary["validation"] == "PASS" and summary["store"] == str(cwd / "out" / "store")
+    stores = [p for p in tmp_path.rglob("CURRENT")]
+    assert stores == [cwd / "out" / "store" / "CURRENT"], stores
