@@ -34,7 +34,8 @@ def wheel_env(tmp_path_factory) -> Path:
     pyver = f"python{sys.version_info.major}.{sys.version_info.minor}"
     (venv / "lib" / pyver / "site-packages" / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps"]
+        + [str(wheel)],
         check=True,
         capture_output=True,
         timeout=300,
