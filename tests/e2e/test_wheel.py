@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The installed package only: nothing of a checkout or another environment on the path.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,7 @@ def test_the_wheel_installs_one_top_level_name(wheel_env):
             "print(dflash_pipeline.__file__, f.__file__, d.PREFECT_FILE.exists())",
         ],
         cwd=wheel_env.parent,
+        env=CLEAN_ENV,
         capture_output=True,
         text=True,
         timeout=120,
@@ -68,7 +71,7 @@ def test_the_installed_cli_runs_from_another_directory_with_a_relative_output_di
     """Run as a user would, from a directory of their own: the store lands under that directory, once."""
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env = {**CLEAN_ENV, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     env.pop("PREFECT_API_URL", None)
     res = subprocess.run(
         [str(wheel_env / "bin" / "dflash-pipeline"), "run"]
