@@ -14,6 +14,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Prefect's 20 s default start-up limit for its temporary server runs out on a loaded 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -30,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dflash_pipeline.errors import PipelineError
 
     try:
-        cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
+        load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
         api = os.environ.get("PREFECT_API_URL")
         if api:  # a configured server that is down: say so now, not after a long hang
             from dflash_pipeline.serve import check_api
