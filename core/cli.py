@@ -44,16 +44,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2, default=str))
-    store = cfg.store if "://" in cfg.store else os.path.abspath(cfg.store)
+    print(json.dumps(summary.to_dict(), indent=2, default=str))
     print(
-        f"\noutputs under {os.path.abspath(cfg.output_dir)}; store: {store} "
-        "(read it with storage.reader.HiddenStateDataset, see docs/STORE.md)"
+        f"\noutputs under {summary.output_dir}; store: {summary.store} "
+        "(read it with dflash_pipeline.storage.reader.HiddenStateDataset, see docs/STORE.md)"
     )
-    if "acceptance_length" in summary:
+    if summary.acceptance_length is not None:
         print(
-            f"drafter: {summary.get('drafter')}; acceptance length {summary['acceptance_length']} tokens per "
-            f"target step (untrained drafter: {summary.get('untrained_acceptance_length')})"
+            f"drafter: {summary.drafter}; acceptance length {summary.acceptance_length} tokens per "
+            f"target step (untrained drafter: {summary.untrained_acceptance_length})"
         )
     return 0
 
