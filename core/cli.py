@@ -70,6 +70,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.port)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check a store version completely; one line per problem, then a summary. Exit 0 healthy, 1 not."""
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.storage.store import Store
+    from dflash_pipeline.storage.verify import verify_version
+
+    try:
+        store = Store(args.store, json.loads(args.store_options) if args.store_options else None)
+        store.check_readable()
+        version = args.version or store.current() or (store.versions() or [None])[-1]
+        if version is None or version not in store.versions():
+            raise PipelineError(f"no store version {version or ''} under {store.url} (versions: {store.versions()})")
+        report = verify_version(store, version, digests=not args.sizes_only, threads=args.threads)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in report.problems:
+        print(p.line())
+    print(report.summary())
+    if args.repair and report.damaged_units():
+        store.discard_units(version, sorted(report.damaged_units()))
+        print(
+            f"discarded {len(report.damaged_units())} damaged units of {version}: rerun the pipeline's extract stage "
+            "on this store to extract exactly their samples again (validation then moves CURRENT)"
+        )
+    return 0 if report.ok else 1
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     from dflash_pipeline.config import defaults_yaml
 
@@ -100,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     sv.set_defaults(fn=cmd_serve)
     sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
     sc.set_defaults(fn=cmd_show_config)
+    vf = sub.add_parser("verify", help="check a store version: every committed file, digest and attribute")
+    vf.add_argument("store", help="the store path (or s3://bucket/prefix)")
+    vf.add_argument("--version", help="the version to check (default: CURRENT, else the newest)")
+    vf.add_argument("--sizes-only", action="store_true", help="check presence and sizes, not digests (fast)")
+    vf.add_argument("--repair", action="store_true", help="discard damaged units; a rerun of extract redoes them")
+    vf.add_argument("--threads", type=int, default=4, help="units checked at once")
+    vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
+    vf.set_defaults(fn=cmd_verify)
     args = parser.parse_args(argv)
     _quiet_libraries()
     return args.fn(args)

@@ -20,9 +20,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+# 2: commit records list every committed file with its size and XXH3-128 digest; plan and version records
+# (docs/STORE.md, "Integrity").
+FORMAT_VERSION = 2
 # A unit's commit record before its first commit (commit.json absent).
 NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
+# Arrays whose shards the extraction writes (their files are committed shard by shard); every other file of a
+# unit is written by the planner and committed with the unit's first commit record.
+SHARDED_ARRAYS = ("hidden", "last_hidden")
+ARRAYS = ("hidden", "last_hidden", "input_ids", "loss_mask")
+VERSION_RECORD = "version.json"  # digests of the version attributes readers depend on
+PLANS = "plans"  # <version>/plans/<unit>.json: each unit's planned attributes, written once by the planner
+# Version attributes that readers depend on (covered by the version record's digests).
+READER_ATTRS = (
+    "format_version",
+    "layer_ids",
+    "layer_convention",
+    "capture_last",
+    "logical_dtype",
+    "compute_dtype",
+    "hidden_size",
+    "num_layers",
+    "model_type",
+    "model_config_hash",
+    "weights_fingerprint",
+)
 LAYER_CONVENTION = (
     "decoder-layer index i; value = output of decoder layer i before any final norm, which is HF "
     "output_hidden_states[i + 1] (for the last layer HF gives the post-norm value instead); "

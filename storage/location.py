@@ -20,6 +20,7 @@ The endpoint can also come from AWS_ENDPOINT_URL (botocore reads it). The S3 hal
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -31,9 +32,46 @@ from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import commit
+from dflash_pipeline.storage import commit, digest
 
 Buffers = Sequence[Any]  # bytes-like pieces written one after the other
+
+
+# Errors no retry can fix: the filesystem is full, over quota, read-only, or forbids writing.
+_RESOURCE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only"}
+
+
+class StoreFull(StoreError):
+    """The store's filesystem is full, over quota or read-only: retrying cannot help (never retried)."""
+
+
+def is_resource_error(e: BaseException) -> bool:
+    """An OS error that no retry can fix (full, over quota, read-only, not permitted)."""
+    return isinstance(e, OSError) and e.errno in (*_RESOURCE_ERRNOS, errno.EACCES, errno.EPERM)
+
+
+def resource_error(e: OSError, path: str | Path, nbytes: int | None = None) -> StoreError | None:
+    """A StoreFull naming `path` (and the space that write needed) for an exhausted or read-only filesystem;
+    None for other OS errors (those may be transient and are retried)."""
+    if not is_resource_error(e):
+        return None
+    try:
+        free = shutil.disk_usage(next(p for p in Path(path).parents if p.exists())).free
+        where = f"{free / 2**20:.1f} MiB free there"
+    except (OSError, StopIteration):
+        where = "free space unknown"
+    need = f" of {nbytes / 2**20:.1f} MiB" if nbytes is not None else ""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StoreFull(
+            f"store path {path} cannot be written ({e.strerror}): the store is read-only for this run; "
+            "fix its permissions or mount, or choose another store_path. Nothing was committed past the "
+            "last commit record, so a rerun resumes there"
+        )
+    return StoreFull(
+        f"{_RESOURCE_ERRNOS[e.errno]} writing {path}{need} ({where}). Free space on that filesystem (or "
+        "raise the quota) and rerun: the store is consistent up to its last commit record and the rerun "
+        "resumes there"
+    )
 
 
 def is_remote(url: str | Path) -> bool:
@@ -84,8 +122,21 @@ class Location(ABC):
         one. `before_commit` runs when the new record is ready but not yet visible (fault injection)."""
 
     @abstractmethod
-    def write_object(self, rel: str, pieces: Buffers) -> None:
-        """Write a whole file (a shard) from `pieces`: it appears complete or not at all."""
+    def write_object(self, rel: str, pieces: Buffers) -> dict[str, Any]:
+        """Write a whole file (a shard) from `pieces`: it appears complete or not at all. Returns its
+        storage.digest record ({'size', 'xxh3_128'}) as written."""
+
+    @abstractmethod
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        """{path relative to `rel`: size in bytes} of every file below `rel` ({} if it does not exist)."""
+
+    @abstractmethod
+    def size_of(self, rel: str) -> int | None:
+        """The file's size in bytes, or None if it does not exist."""
+
+    @abstractmethod
+    def digest_of(self, rel: str) -> dict[str, Any] | None:
+        """storage.digest record of the file as stored now (reads it whole), or None if it does not exist."""
 
     @abstractmethod
     def exists(self, rel: str) -> bool: ...
@@ -158,19 +209,64 @@ class LocalLocation(Location):
             return None
 
     def write_atomic(self, rel: str, data: bytes, before_commit: Callable[[], None] | None = None) -> None:
-        commit.write_atomic(self._p(rel), data, before_commit)
+        try:
+            self._p(rel).parent.mkdir(parents=True, exist_ok=True)
+            commit.write_atomic(self._p(rel), data, before_commit)
+        except OSError as e:
+            err = resource_error(e, self._p(rel), len(data))
+            if err is None:
+                raise
+            raise err from e
 
-    def write_object(self, rel: str, pieces: Buffers) -> None:
+    def write_object(self, rel: str, pieces: Buffers) -> dict[str, Any]:
         path = self._p(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-        with open(tmp, "wb") as f:  # temp file + rename, as zarr's LocalStore: a shard is never torn
-            for piece in pieces:
-                f.write(piece)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before any commit record that counts it (power loss, not just a kill)
-        os.replace(tmp, path)
-        commit.fsync_dir(path.parent)
+        d = digest.Digest()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:  # temp file + rename, as zarr's LocalStore: a shard is never torn
+                for piece in pieces:
+                    f.write(piece)
+                    d.update(piece)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before any commit record that counts it (power loss, not a kill)
+            os.replace(tmp, path)
+            commit.fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # a full disk keeps no half-written temp file
+            err = resource_error(e, path, sum(memoryview(p).nbytes for p in pieces))
+            if err is None:
+                raise
+            raise err from e
+        return d.record()
+
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        top = self._p(rel)
+        out: dict[str, int] = {}
+        for dirpath, _, names in os.walk(top):
+            for n in names:
+                p = Path(dirpath) / n
+                try:
+                    out[p.relative_to(top).as_posix()] = p.stat().st_size
+                except FileNotFoundError:
+                    pass
+        return out
+
+    def size_of(self, rel: str) -> int | None:
+        try:
+            return self._p(rel).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def digest_of(self, rel: str) -> dict[str, Any] | None:
+        d = digest.Digest()
+        try:
+            with open(self._p(rel), "rb") as f:
+                while block := f.read(digest.READ_BLOCK):
+                    d.update(block)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return d.record()
 
     def exists(self, rel: str) -> bool:
         return self._p(rel).exists()

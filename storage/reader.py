@@ -3,6 +3,13 @@
 The index (which sample lives where) is built from unit attributes and commit records at construction;
 Zarr arrays are opened lazily, per process, on first access, so the dataset is safe to use with
 DataLoader worker processes (each worker opens its own handles after fork/spawn).
+
+The reader never returns values that were not committed as they are: at construction it checks the
+version's attributes against the version record, every unit's attributes against its plan record and its
+commit record (present, complete), and raises StoreError naming the unit, array and file on a mismatch. When
+a unit's arrays are first opened (in each process) every file its commit record lists is checked for
+presence and size (a missing zarr shard would otherwise read back as zeros); with `verify="digests"` also
+for content (each file read once more, at first open). storage/verify.py holds the checks.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import digest
 from dflash_pipeline.storage.layout import from_storage
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
 
 
 @dataclass(frozen=True)
@@ -29,26 +39,84 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     """Items: {'sample_id', 'input_ids' [T] long, 'loss_mask' [T] bool, 'hidden' [T, K, H],
     and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype."""
 
-    def __init__(self, store_root: str | Path, version: str | None = None, store_options: dict | None = None):
+    def __init__(
+        self,
+        store_root: str | Path,
+        version: str | None = None,
+        store_options: dict | None = None,
+        verify: str = "sizes",
+        partial: bool = False,
+    ):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
-        (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain."""
+        (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
+        `verify`: "sizes" (every committed file of a unit present with its committed size, checked when the
+        unit is first opened; costs a directory listing per unit and process) or "digests" (also its
+        content: each file is read once more at first open). `partial`: read the committed samples of units
+        not yet complete (a version being extracted); by default every planned unit must be complete."""
+        if verify not in ("sizes", "digests"):
+            raise ValueError(f"verify={verify!r}: use 'sizes' or 'digests'")
         self.store = Store(store_root, store_options)
         self.store.check_readable()
+        self.verify = verify
         self.version = version or self.store.current() or (self.store.versions() or [None])[-1]
         if self.version is None:
             raise FileNotFoundError(f"no store version under {self.store.url}")
+        self._raise_on(check_version_attrs(self.store, self.version))
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
         self.layer_ids: list[int] = self.attrs["layer_ids"]
         self.samples: list[SampleRef] = []
-        for unit in self.store.units(self.version):
-            committed = self.store.commit_record(self.version, unit)["committed_tokens"]
+        self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
+        units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
+        for unit in units:
+            problems = self._check_meta(unit)
+            self._raise_on([p for p in problems if p.kind == DAMAGED or not partial])
+            rec = self.store.commit_record(self.version, unit)
+            self._files[unit] = rec.get("files") or {}
+            committed = rec["committed_tokens"]
             for sid, start, length in self.store.unit_attrs(self.version, unit)["samples"]:
                 if start + length <= committed:  # readers see committed samples only
                     self.samples.append(SampleRef(sid, unit, start, length))
         self._by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
         self._arrays: dict[str, dict] = {}
         self._pid: int | None = None
+
+    def _check_meta(self, unit: str) -> list[Problem]:
+        """The unit's records and attributes (no file reads beyond them): storage.verify.check_unit without
+        the file checks, which run when the unit is first opened."""
+        problems, _, _ = check_unit(self.store, self.version, unit, bool(self.attrs.get("capture_last")), None)
+        return problems
+
+    def _raise_on(self, problems: list[Problem]) -> None:
+        if problems:
+            p = problems[0]
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise StoreError(
+                f"store {self.store.loc.url_of(self.version)}: unit {p.unit}, array {p.array}, file {p.file}: "
+                f"{p.what}{more}. Nothing of this version is read: `dflash-pipeline verify {self.store.url} "
+                f"--version {self.version}` lists every problem, and rerunning extract on this store repairs it"
+            )
+
+    def _check_files(self, unit: str) -> None:
+        """Every file the unit's commit record lists: present with its committed size (and content)."""
+        rel = f"{self.version}/units/{unit}"
+        listing = self.store.loc.list_files(rel)
+        problems = []
+        for f, want in sorted(self._files[unit].items()):
+            if want is None:
+                continue
+            where = f"units/{unit}/{f}"
+            array = f.split("/", 1)[0] if "/" in f else "-"
+            size = listing.get(f)
+            if size is None:
+                problems.append(Problem(unit, array, where, f"missing (committed with {want['size']} bytes)"))
+            elif size != want["size"]:
+                problems.append(Problem(unit, array, where, f"{size} bytes, committed with {want['size']}"))
+            elif self.verify == "digests":
+                got = (self.store.loc.digest_of(f"{rel}/{f}") or {}).get(digest.ALGORITHM)
+                if got != want.get(digest.ALGORITHM):
+                    problems.append(Problem(unit, array, where, "content differs from the commit record's digest"))
+        self._raise_on(problems)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -60,6 +128,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if self._pid != os.getpid():  # new process (DataLoader worker): drop inherited handles
             self._arrays, self._pid = {}, os.getpid()
         if unit not in self._arrays:
+            self._check_files(unit)
             g = self.store.open_unit(self.version, unit)
             self._arrays[unit] = {k: g[k] for k in ("hidden", "last_hidden", "input_ids", "loss_mask") if k in g}
         return self._arrays[unit]

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import digest
 from dflash_pipeline.storage.location import Buffers, Location
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,34 @@ class S3Location(Location):
             before_commit()
         self._put(rel, data)  # S3 makes a PUT atomic and, once it returns, durable
 
-    def write_object(self, rel: str, pieces: Buffers) -> None:
-        self._put(rel, b"".join(pieces))  # one PUT (a multipart upload beyond 100 MB: also all or nothing)
+    def write_object(self, rel: str, pieces: Buffers) -> dict[str, Any]:
+        data = b"".join(pieces)
+        self._put(rel, data)  # one PUT (a multipart upload beyond 100 MB: also all or nothing)
+        return digest.of_pieces([data])
+
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        top = self._p(rel)
+        try:
+            found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {k[len(top) + 1 :]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(top + "/")}
+
+    def size_of(self, rel: str) -> int | None:
+        try:
+            return int(self.fs.info(self._p(rel))["size"])
+        except FileNotFoundError:
+            return None
+
+    def digest_of(self, rel: str) -> dict[str, Any] | None:
+        d = digest.Digest()
+        try:
+            with self.fs.open(self._p(rel), "rb", block_size=digest.READ_BLOCK) as f:
+                while block := f.read(digest.READ_BLOCK):
+                    d.update(block)
+        except FileNotFoundError:
+            return None
+        return d.record()
 
     def _put(self, rel: str, data: bytes) -> None:
         try:

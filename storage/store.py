@@ -20,8 +20,18 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, NOTHING_COMMITTED, chunking, compressors
-from dflash_pipeline.storage.location import Location, open_location
+from dflash_pipeline.storage import digest
+from dflash_pipeline.storage.layout import (
+    DTYPES,
+    FORMAT_VERSION,
+    NOTHING_COMMITTED,
+    PLANS,
+    READER_ATTRS,
+    VERSION_RECORD,
+    chunking,
+    compressors,
+)
+from dflash_pipeline.storage.location import Location, open_location, resource_error
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,7 @@ class PlanResult:
     pending_units: list[UnitInfo]  # not yet complete (new ones included)
     n_units: int
     new_samples: int
+    repaired_units: list[str] = ()  # units that failed verification: discarded and planned again, as before
 
 
 def _now() -> str:
@@ -105,9 +116,10 @@ class Store:
         - a new version if no version has this identity (only with `new_version`, or for an empty store).
         """
         self.check_writable()
+        provenance = {**provenance, "format_version": FORMAT_VERSION}
         versions = self.versions()
         for v in reversed(versions):
-            attrs = self.attrs(v)
+            attrs = self._repair_attrs(v, provenance)
             if not all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS):
                 continue
             if dataset_fp in attrs.get("dataset_fingerprints", []):
@@ -122,6 +134,7 @@ class Store:
             g = self.open_version(target, mode="r+")
             g.attrs["dataset_fingerprints"] = list(g.attrs["dataset_fingerprints"]) + [dataset_fp]
             return target
+        versions = self._drop_empty_versions(versions)
         if versions and not new_version:
             last = self.attrs(versions[-1])
             diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
@@ -133,12 +146,62 @@ class Store:
             )
         name = self._new_version_name()
         g = self.loc.open_group(name, mode="w-")
-        g.attrs.update(
-            {**provenance, "dataset_fingerprints": [dataset_fp], "format_version": FORMAT_VERSION, "created": _now()}
-        )
+        g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "created": _now()})
         g.create_group("units")
+        self._write_version_record(name)
         log.info("created store version %s", self.loc.url_of(name))
         return name
+
+    # ---- records that make the store verifiable (docs/STORE.md, "Integrity") ----------------------------
+    def version_record(self, version: str) -> dict[str, Any] | None:
+        return self.loc.read_json(f"{version}/{VERSION_RECORD}")
+
+    def _write_version_record(self, version: str) -> None:
+        attrs = self.attrs(version)
+        self.loc.write_json_atomic(
+            f"{version}/{VERSION_RECORD}",
+            {
+                "format_version": FORMAT_VERSION,
+                "algorithm": digest.ALGORITHM,
+                "attrs": digest.of_attrs(attrs, READER_ATTRS),
+            },
+        )
+
+    def _repair_attrs(self, version: str, provenance: dict[str, Any]) -> dict[str, Any]:
+        """The version's attributes, after restoring those that were altered on disk (their digest no longer
+        matches the version record) from this run's provenance, where that matches the record: the values
+        the version was created with. Returns the attributes as they are then."""
+        attrs = self.attrs(version)
+        record = self.version_record(version)
+        if not record:
+            return attrs
+        recorded = record.get("attrs", {})
+        fixes = {
+            k: provenance[k]
+            for k, d in recorded.items()
+            if k in provenance and digest.of_attr(attrs.get(k)) != d and digest.of_attr(provenance[k]) == d
+        }
+        if fixes:
+            log.warning(
+                "store version %s: attributes %s were altered on disk; restored from the version record",
+                self.loc.url_of(version),
+                sorted(fixes),
+            )
+            self.open_version(version, mode="r+").attrs.update(fixes)
+            attrs.update(fixes)
+        return attrs
+
+    def _drop_empty_versions(self, versions: list[str]) -> list[str]:
+        """Delete versions that are not CURRENT and hold no committed token (a run that failed before its
+        first commit, e.g. on broken weights): they must not block the next run. Returns those left."""
+        current, kept = self.current(), []
+        for v in versions:
+            if v != current and not any(self.commit_record(v, u).get("committed_tokens", 0) > 0 for u in self.units(v)):
+                log.warning("removing store version %s: nothing was ever committed to it", self.loc.url_of(v))
+                self.loc.rmtree(v)
+                continue
+            kept.append(v)
+        return kept
 
     def _new_version_name(self) -> str:
         versions = self.versions()
@@ -153,9 +216,13 @@ class Store:
         g = self.loc.open_group(name, mode="w-")
         g.attrs.update({**src_attrs, "created": _now(), "snapshot_of": source})
         g.create_group("units")
+        self._write_version_record(name)
         for u in self.units(source):
             if not self.commit_record(source, u).get("complete"):
                 continue
+            plan = self.loc.read_bytes(self._plan_rel(source, u))
+            if plan is not None:
+                self.loc.write_atomic(self._plan_rel(name, u), plan)
             self.loc.copy_tree(self._unit_rel(source, u), self._unit_rel(name, u))
         log.info("snapshot %s -> %s (%d units shared)", source, name, len(self.units(name)))
         return name
@@ -186,6 +253,19 @@ class Store:
     @staticmethod
     def _unit_rel(version: str, unit: str) -> str:
         return f"{version}/units/{unit}"
+
+    @staticmethod
+    def _plan_rel(version: str, unit: str) -> str:
+        return f"{version}/{PLANS}/{unit}.json"
+
+    def plan_record(self, version: str, unit: str) -> dict[str, Any] | None:
+        """The unit's attributes as planned (None for a unit planned before format 2, or if deleted)."""
+        return self.loc.read_json(self._plan_rel(version, unit))
+
+    def planned_units(self, version: str) -> list[str]:
+        """Units with a plan record (whether or not their directory still exists)."""
+        files = self.loc.list_files(f"{version}/{PLANS}")
+        return sorted(r.removesuffix(".json") for r in files if r.endswith(".json") and "/" not in r and r[0] != ".")
 
     def unit_location(self, version: str, unit: str) -> Location:
         """Where one unit lives (what storage.writer.UnitWriter writes through)."""
@@ -227,14 +307,16 @@ class Store:
         prepared order, stored longest-first (batches of similar length; OOM shows up at once).
         """
         attrs = self.attrs(version)
-        assigned: set[str] = set()
         for u in self.units(version):
-            ua = self.unit_attrs(version, u)
-            if not ua.get("planned"):
+            if not self.unit_attrs(version, u).get("planned"):
                 log.warning("removing half-planned unit %s", u)
                 self.loc.rmtree(self._unit_rel(version, u))
-                continue
-            assigned.update(s[0] for s in ua["samples"])
+                self.loc.rmtree(self._plan_rel(version, u))
+        row_of = {sid: i for i, sid in enumerate(sample_ids)}
+        repaired = self._repair_units(version, attrs, row_of, lengths, fetch)
+        assigned: set[str] = set()
+        for u in self.units(version):
+            assigned.update(s[0] for s in self.unit_attrs(version, u)["samples"])
         todo = [i for i, s in enumerate(sample_ids) if s not in assigned]
         groups: list[list[int]] = []
         cur, cur_tokens = [], 0
@@ -251,59 +333,112 @@ class Store:
         next_no = int(existing[-1][1:]) + 1 if existing else 0
         k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
         new_units = []
+        stored = DTYPES[logical][0]
         for gi, members in enumerate(groups):
             order = sorted(members, key=lambda i: (-lengths[i], i))
             name = f"u{next_no + gi:05d}"
-            self._create_unit(
-                version,
-                name,
-                order,
-                sample_ids,
-                lengths,
-                fetch,
-                k,
-                hidden,
-                logical,
-                attrs.get("capture_last", False),
-                chunk_mib,
-                shard_mib,
-                compression,
-            )
-            new_units.append(UnitInfo(name, len(order), sum(lengths[i] for i in order)))
+            n_tokens = sum(lengths[i] for i in order)
+            chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
+            starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
+            plan = {
+                "samples": [[sample_ids[i], int(st), int(lengths[i])] for i, st in zip(order, starts)],
+                "n_tokens": n_tokens,
+                "shard_tokens": shard,
+                "chunk_tokens": chunk,
+                "logical_dtype": logical,
+                "compression": compression,
+            }
+            self._create_unit(version, name, plan, order, fetch, k, hidden, attrs.get("capture_last", False))
+            new_units.append(UnitInfo(name, len(order), n_tokens))
         pending = [
             self.unit_info(version, u)
             for u in self.units(version)
             if not self.commit_record(version, u).get("complete")
         ]
-        return PlanResult(version, self.loc.url_of(version), new_units, pending, len(self.units(version)), len(todo))
+        return PlanResult(
+            version, self.loc.url_of(version), new_units, pending, len(self.units(version)), len(todo), repaired
+        )
+
+    def _repair_units(self, version, attrs, row_of, lengths, fetch) -> list[str]:
+        """Units that fail the cheap verification (a file missing or of the wrong size, a commit record
+        missing while shards are there, attributes that differ from the plan record, a unit directory
+        missing) are discarded and created again from their plan record: same name, same samples in the same
+        order, same chunking, so their extraction recomputes exactly those samples, bit for bit. Units that
+        verify are not touched. Content digests are checked by `dflash-pipeline verify --repair`, which
+        discards units whose bytes differ; this then recreates them too."""
+        from dflash_pipeline.storage.verify import damaged_units
+
+        damaged = damaged_units(self, version, digests=False)
+        for u, problems in damaged.items():
+            plan = self.plan_record(version, u)
+            if plan is None:  # no plan record (format 1): its own attributes are all there is
+                try:
+                    ua = self.unit_attrs(version, u)
+                    plan = {k: ua[k] for k in ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")}
+                except Exception as e:  # noqa: BLE001 - any failure to read it means there is nothing to rebuild from
+                    raise StoreError(
+                        f"unit {self.loc.url_of(self._unit_rel(version, u))} is damaged ({problems[0]}) and has no "
+                        f"plan record to rebuild it from ({type(e).__name__}: {e}); delete the unit directory and "
+                        "rerun to plan its samples again"
+                    ) from e
+            foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
+            if foreign:
+                raise StoreError(
+                    f"unit {self.loc.url_of(self._unit_rel(version, u))} is damaged ({problems[0]}) and holds "
+                    f"{len(foreign)} samples that are not in this run's prepared dataset (e.g. {foreign[0]}); rerun "
+                    "with the dataset it was made from (see the version's dataset_fingerprints) to repair it"
+                )
+            log.warning(
+                "unit %s failed verification (%s); discarding it and extracting its %d samples again",
+                self.loc.url_of(self._unit_rel(version, u)),
+                "; ".join(problems[:3]),
+                len(plan["samples"]),
+            )
+            order = [row_of[sid] for sid, _, _ in plan["samples"]]
+            assert [lengths[i] for i in order] == [n for _, _, n in plan["samples"]], f"unit {u}: lengths changed"
+            self._create_unit(
+                version,
+                u,
+                {**plan, "compression": plan.get("compression", "zstd")},
+                order,
+                fetch,
+                len(attrs["layer_ids"]),
+                attrs["hidden_size"],
+                attrs.get("capture_last", False),
+            )
+        return sorted(damaged)
+
+    def discard_units(self, version: str, units: list[str]) -> None:
+        """Delete these units' directories, keeping their plan records: the next extraction of this version
+        creates them again from the records and recomputes exactly their samples."""
+        for u in units:
+            log.warning("discarding unit %s", self.loc.url_of(self._unit_rel(version, u)))
+            self.loc.rmtree(self._unit_rel(version, u))
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]
         return UnitInfo(unit, len(samples), sum(s[2] for s in samples))
 
-    def _create_unit(
-        self,
-        version,
-        name,
-        order,
-        sample_ids,
-        lengths,
-        fetch,
-        k,
-        hidden,
-        logical,
-        capture_last,
-        chunk_mib,
-        shard_mib,
-        compression,
-    ) -> None:
+    def _create_unit(self, version, name, plan, order, fetch, k, hidden, capture_last) -> None:
+        """Create unit `name` as `plan` says (its attributes: samples in storage order, n_tokens, shard and
+        chunk tokens, logical dtype, compression); `order` are the prepared rows of its samples, in that
+        order. The plan record is written before the unit is marked planned (its last step)."""
+        try:
+            self._create_unit_files(version, name, plan, order, fetch, k, hidden, capture_last)
+        except OSError as e:
+            err = resource_error(e, self.loc.url_of(self._unit_rel(version, name)))
+            if err is None:
+                raise
+            raise err from e
+
+    def _create_unit_files(self, version, name, plan, order, fetch, k, hidden, capture_last) -> None:
+        logical, n_tokens = plan["logical_dtype"], plan["n_tokens"]
+        chunk, shard = plan["chunk_tokens"], plan["shard_tokens"]
         stored = DTYPES[logical][0]
-        n_tokens = sum(lengths[i] for i in order)
         rel = self._unit_rel(version, name)
         self.loc.rmtree(rel)
         g = self.loc.open_group(rel, mode="w")
-        chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
-        codecs = compressors(compression, stored.itemsize)
+        codecs = compressors(plan["compression"], stored.itemsize)
         g.create_array(
             "hidden",
             shape=(n_tokens, k, hidden),
@@ -333,17 +468,11 @@ class Store:
         g.create_array(
             "loss_mask", data=mask, chunks=(max(1, min(n_tokens, 1 << 20)),), compressors=compressors("zstd", 1)
         )
-        starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
-        samples = [[sample_ids[i], int(s), int(lengths[i])] for i, s in zip(order, starts)]
-        g.attrs.update(
-            {
-                "samples": samples,
-                "n_tokens": n_tokens,
-                "shard_tokens": shard,
-                "chunk_tokens": chunk,
-                "logical_dtype": logical,
-            }
-        )
+        unit_attrs = {
+            key: plan[key] for key in ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
+        }
+        g.attrs.update(unit_attrs)
+        self.loc.write_json_atomic(self._plan_rel(version, name), {**unit_attrs, "compression": plan["compression"]})
         g.attrs["planned"] = True  # last: from here on the unit exists
 
     def delete_version(self, version: str) -> None:

@@ -3,7 +3,8 @@
 Protocol (per unit; one writer process per unit):
 1. Token rows arrive in storage order and fill an in-memory buffer covering exactly one store shard.
 2. A full buffer is written as one whole shard (no read-modify-write), retried on I/O errors.
-3. Only then commit.json is atomically replaced with committed_tokens = end of that shard.
+3. Only then commit.json is atomically replaced with committed_tokens = end of that shard, and the list of
+   every file the unit commits (the planner's files and each committed shard) with its size and XXH3-128 digest.
 A sample is stored once committed_tokens >= its start + length. After a crash, a new writer starts
 at committed_tokens (a shard boundary); anything written past it is overwritten, and orphan temp files
 are removed.
@@ -38,14 +39,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import before_sleep_log, retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from dflash_pipeline.storage import digest
 from dflash_pipeline.storage.commit import crash_point
-from dflash_pipeline.storage.layout import DTYPES, NOTHING_COMMITTED
-from dflash_pipeline.storage.location import Location, open_location
+from dflash_pipeline.storage.layout import DTYPES, NOTHING_COMMITTED, SHARDED_ARRAYS
+from dflash_pipeline.storage.location import Location, StoreFull, is_resource_error, open_location, resource_error
 from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers, encode_shard
 
 log = logging.getLogger(__name__)
+_FALLBACKS_LOGGED: set[str] = set()
 
 
 class _ShardFile:
@@ -63,17 +66,33 @@ class _ShardFile:
 
     @classmethod
     def for_array(cls, arr, loc: Location) -> _ShardFile | None:
+        """The fast writer for `arr`, or None (with the reason logged once) when zarr is to write it."""
+        fast = cls._match(arr, loc)
+        if isinstance(fast, str):
+            if fast not in _FALLBACKS_LOGGED:
+                _FALLBACKS_LOGGED.add(fast)
+                log.warning("writing %s through zarr's own (slower) shard writer: %s", arr.path, fast)
+            return None
+        return fast
+
+    @classmethod
+    def _match(cls, arr, loc: Location) -> _ShardFile | str:
+        """The writer, or why this array's layout is not one it knows (then zarr writes the shards)."""
         from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
         from zarr.codecs.sharding import ShardingCodecIndexLocation
 
         meta = arr.metadata
         codecs = getattr(meta, "codecs", ())
-        if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
-            return None
+        if sys.byteorder != "little":
+            return "this machine is big-endian"
+        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+            return f"the codec chain is not one sharding codec: {codecs!r}"
         sh = codecs[0]
 
         def little(c) -> bool:
-            return isinstance(c, BytesCodec) and (c.endian is None or c.endian.value == "little")
+            # zarr 3.1 holds the endianness as an Endian enum, zarr >= 3.2 as a plain str.
+            endian = getattr(c, "endian", None)
+            return isinstance(c, BytesCodec) and getattr(endian, "value", endian) in (None, "little")
 
         inner = list(sh.codecs)
         middle = inner[1:-1]
@@ -88,10 +107,10 @@ class _ShardFile:
             or len(middle) > 1
             or (middle and not isinstance(middle[0], BloscCodec))
         ):
-            return None
+            return f"the sharding codec's layout is not the one storage/layout.py creates: {sh!r}"
         blosc = getattr(middle[0], "_blosc_codec", None) if middle else None  # zarr's own numcodecs.Blosc
         if middle and blosc is None:
-            return None
+            return "this zarr version's BloscCodec has no numcodecs codec to compress with (_blosc_codec)"
         shard, chunk = tuple(meta.chunk_grid.chunk_shape), tuple(sh.chunk_shape)
         if (
             shard[1:] != tuple(arr.shape[1:])
@@ -99,18 +118,18 @@ class _ShardFile:
             or shard[0] % chunk[0]
             or meta.fill_value != 0
         ):
-            return None
+            return f"shards {shard} / chunks {chunk} do not span every axis but the first of {arr.shape}"
         return cls(loc, arr.path, meta, shard[0], chunk[0], blosc)
 
     def key(self, start: int) -> str:
-        coords = (start // self.shard_rows,) + (0,) * (len(self.meta.shape) - 1)
-        return f"{self.path}/{self.meta.encode_chunk_key(coords)}"
+        return shard_key(self.path, self.meta, start, self.shard_rows)
 
     def write(
         self, start: int, rows: np.ndarray, procs: ShardProcesses | None = None, buffer: tuple | None = None
-    ) -> None:
+    ) -> dict | None:
         """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one.
-        With `procs`, a writer process encodes and writes them from the shared `buffer` they start."""
+        With `procs`, a writer process encodes and writes them from the shared `buffer` they start. Returns
+        the shard file's digest record when this process wrote it (None: a writer process did)."""
         assert start % self.shard_rows == 0 and 0 < len(rows) <= self.shard_rows, (start, len(rows))
         if procs is not None:
             procs.write_shard(
@@ -122,8 +141,18 @@ class _ShardFile:
                 self.chunk_rows,
                 self.blosc.get_config() if self.blosc is not None else None,
             )
-        else:
-            self.loc.write_object(self.key(start), encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc))
+            return None
+        return self.loc.write_object(self.key(start), encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc))
+
+
+def shard_key(path: str, meta, start: int, shard_rows: int) -> str:
+    """The file (relative to the unit) of the shard of array `path` that starts at token `start`."""
+    coords = (start // shard_rows,) + (0,) * (len(meta.shape) - 1)
+    return f"{path}/{meta.encode_chunk_key(coords)}"
+
+
+def _is_shard_file(rel: str) -> bool:
+    return any(rel.startswith(f"{a}/c/") for a in SHARDED_ARRAYS)
 
 
 class BufferPool:
@@ -208,6 +237,16 @@ class UnitWriter:
         self.committed: int = rec["committed_tokens"]
         self.complete: bool = rec["complete"]
         assert self.committed % self.shard_tokens == 0 or self.committed == self.n_tokens, rec
+        # Digest records of the files commit records list: the planner's (taken from the last commit record, or
+        # read now before the first commit) and each written shard's, by shard start.
+        self._static_files = self._planner_files(rec)
+        self._shard_files: dict[int, dict[str, dict | None]] = {}
+        for rel, d in (rec.get("files") or {}).items():
+            if _is_shard_file(rel):
+                arr = self.hidden if rel.startswith("hidden/") else self.last
+                start = int(rel.split("/c/")[1].split("/")[0]) * self.shard_tokens
+                assert shard_key(arr.path, arr.metadata, start, self.shard_tokens) == rel, rel
+                self._shard_files.setdefault(start, {})[rel] = d
         self._io_retries = io_retries
         self._buffers = buffers or BufferPool()
         self._procs = procs
@@ -224,6 +263,21 @@ class UnitWriter:
         self._next = self.committed  # next absolute token position the buffer expects
         self._buf_start = self.committed
         self._h = None  # the shard buffer being filled, taken from the pool on the first rows
+
+    def _planner_files(self, rec: dict) -> dict[str, dict | None]:
+        if rec.get("files"):
+            return {rel: d for rel, d in rec["files"].items() if not _is_shard_file(rel)}
+        files = {}
+        for rel in sorted(self.loc.list_files()):
+            if rel == "commit.json" or rel.endswith(".partial") or _is_shard_file(rel):
+                continue
+            files[rel] = self.loc.digest_of(rel)
+        return files
+
+    def _remaining_bytes(self) -> int:
+        k, h = self.hidden.shape[1:]
+        row = (k * h + (h if self.last is not None else 0)) * self.stored_dtype.itemsize
+        return (self.n_tokens - self.committed) * row
 
     @property
     def resume_token(self) -> int:
@@ -313,29 +367,48 @@ class UnitWriter:
         end = start + len(h)
 
         @retry(
-            retry=retry_if_exception_type(OSError),
+            retry=retry_if_exception(lambda e: isinstance(e, OSError) and not is_resource_error(e)),
             stop=stop_after_attempt(self._io_retries),
             wait=wait_exponential(multiplier=0.5, max=10),
             reraise=True,
             before_sleep=before_sleep_log(log, logging.WARNING),
         )
-        def write() -> None:
+        def write() -> dict[str, dict | None]:
+            written = {}
             for name, arr, rows, buf in (("hidden", self.hidden, h, bufs[0]), ("last", self.last, last, bufs[1])):
                 if rows is None:
                     continue
+                key = shard_key(arr.path, arr.metadata, start, self.shard_tokens)
                 if self._fast[name] is None:
                     arr[start:end] = rows
+                    d = None
                 elif self._procs is not None:
-                    self._fast[name].write(start, rows, self._procs, self._buffers.alloc.where(buf))
+                    d = self._fast[name].write(start, rows, self._procs, self._buffers.alloc.where(buf))
                 else:
-                    self._fast[name].write(start, rows)
+                    d = self._fast[name].write(start, rows)
+                # Written by zarr or by a writer process: digest the file as stored (None: zarr wrote no file
+                # because every value is the fill value; it reads back as those values, correctly).
+                written[key] = d if d is not None else self.loc.digest_of(key)
+            return written
 
-        write()
+        try:
+            written = write()
+        except StoreFull as e:
+            raise StoreFull(
+                f"{e}. This unit ({self.loc.url}) still needs up to {self._remaining_bytes() / 2**20:.1f} MiB "
+                "(uncompressed; about 0.7 of that with zstd)"
+            ) from e
+        except OSError as e:
+            err = resource_error(e, self.loc.url, self._remaining_bytes())
+            if err is None:
+                raise
+            raise err from e
         crash_point("after_shard_write")
         for buf in bufs:
             if buf is not None:
                 self._buffers.put(buf)
         with self._lock:  # one commit at a time, each covering every shard written before it
+            self._shard_files[start] = written
             self._written[start] = end
             advanced = False
             while self.committed in self._written:
@@ -351,6 +424,20 @@ class UnitWriter:
                     "committed_tokens": committed,
                     "complete": self.complete,
                     "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed),
+                    "algorithm": digest.ALGORITHM,
+                    "files": dict(
+                        sorted(
+                            {
+                                **self._static_files,
+                                **{
+                                    k: d
+                                    for s0, fs in self._shard_files.items()
+                                    if s0 < committed
+                                    for k, d in fs.items()
+                                },
+                            }.items()
+                        )
+                    ),
                 },
                 before_commit=lambda: crash_point("during_commit"),
             )

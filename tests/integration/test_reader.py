@@ -5,26 +5,41 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
+from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 
 
-def test_reader_sees_only_committed_samples(small_store, tmp_path):
+def test_reader_sees_only_committed_samples(clean_extraction, tmp_path):
+    """A unit committed up to its first shard (as an interrupted extraction leaves it): with partial=True the
+    reader sees exactly the samples inside; by default it refuses the unfinished version, naming the unit."""
     root = tmp_path / "store"
-    shutil.copytree(small_store.store, root)
-    version = small_store.plan.version
+    shutil.copytree(clean_extraction.store, root)
+    version = clean_extraction.plan.version
     store = Store(root)
-    full = HiddenStateDataset(root, version)
-    assert len(full) == 60
     u = store.units(version)[0]
-    samples = store.unit_attrs(version, u)["samples"]
-    cut = samples[3][1] + samples[3][2] - 1  # sample 3 is one token short of committed
-    (root / version / "units" / u / "commit.json").write_text(json.dumps({"committed_tokens": cut, "complete": False}))
-    partial = HiddenStateDataset(root, version)
+    attrs = store.unit_attrs(version, u)
+    rec = store.commit_record(version, u)
+    cut = attrs["shard_tokens"]
+    assert cut < attrs["n_tokens"]
+    files = {
+        f: d
+        for f, d in rec["files"].items()
+        if "/c/" not in f or f.split("/c/")[0] not in ("hidden", "last_hidden") or f.split("/c/")[1].startswith("0/")
+    }
+    partial_rec = {**rec, "committed_tokens": cut, "complete": False, "files": files}
+    (root / version / "units" / u / "commit.json").write_text(json.dumps(partial_rec))
+    with pytest.raises(StoreError, match=f"unit {u}.*not complete: {cut} of"):
+        HiddenStateDataset(root, version)
+    partial = HiddenStateDataset(root, version, partial=True)
     visible = {s.sample_id for s in partial.samples if s.unit == u}
-    assert visible == {s[0] for s in samples[:3]}
+    assert visible == {sid for sid, start, length in attrs["samples"] if start + length <= cut}
+    assert 0 < len(visible) < len(attrs["samples"])
+    for i in range(len(partial)):
+        partial[i]
 
 
 def test_items_and_dataloader_workers(small_store):

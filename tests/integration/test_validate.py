@@ -28,6 +28,16 @@ def copy(small_store, tmp_path):
     return dst
 
 
+def _recommit(store_root: Path, version: str, unit: str) -> None:
+    """Record the unit's files as they are now in its commit record: what a writer that produced these values
+    would have committed (the checks below are about values, not about damage after the commit)."""
+    s = Store(store_root)
+    rec = s.commit_record(version, unit)
+    loc = s.unit_location(version, unit)
+    rec["files"] = {f: loc.digest_of(f) for f in rec["files"]}
+    loc.write_json_atomic("commit.json", rec)
+
+
 def _unit(store_root: Path, version: str, i: int = 0):
     s = Store(store_root)
     u = s.units(version)[i]
@@ -43,7 +53,7 @@ def _validate(small_store, root, model=None, n=4):
 def test_clean_store_passes(small_store, model):
     r = _validate(small_store, small_store.store, model, n=6)
     assert r.ok, r.failures
-    assert r.n_samples == 60 and len(r.recomputed) == 6 and len(r.layer_stats) == 3
+    assert r.n_samples == 60 and len(r.recomputed) == 6 and len(r.layer_stats) == 4  # 3 layers + last_hidden
     assert all(x["max_rel_err"] < 1e-5 for x in r.recomputed)
     raise_if_failed(r)
 
@@ -54,6 +64,7 @@ def test_all_zero_row_names_sample_and_layer(small_store, copy):
     h = g["hidden"][:]
     h[start + 5, 1] = 0  # one token, second captured layer (id 2)
     g["hidden"][:] = h
+    _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy)
     assert not r.ok
     assert any(f"all-zero token row in sample {sid}" in f and "layer 2" in f for f in r.failures), r.failures
@@ -66,36 +77,80 @@ def test_nan_is_caught(small_store, copy):
     h = g["hidden"][:]
     h[samples[0][1], 2, 7] = np.nan
     g["hidden"][:] = h
+    _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy)
     assert any("non-finite values" in f and samples[0][0] in f and "layer 3" in f for f in r.failures), r.failures
 
 
 def test_flipped_byte_is_a_decode_error_with_its_shard(small_store, copy):
+    """A flipped byte in a shard whose commit record still matches it (damage before the commit): zarr's
+    CRC32C per chunk makes it a decode error, reported with its unit, array and shard."""
     u, _, _ = _unit(copy, small_store.plan.version)
-    shard = sorted((copy / small_store.plan.version / "units" / u / "hidden" / "c").rglob("*"))
-    shard = [p for p in shard if p.is_file()][0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    for array in ("hidden", "last_hidden"):
+        shard = [
+            p for p in sorted((copy / small_store.plan.version / "units" / u / array / "c").rglob("*")) if p.is_file()
+        ][0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy)
-    assert any(f"unit {u} shard" in f and "cannot be decoded" in f for f in r.failures), r.failures
+    for array in ("hidden", "last_hidden"):
+        assert any(f"unit {u} array {array} shard" in f and "cannot be decoded" in f for f in r.failures), r.failures
 
 
 def test_wrong_states_fail_the_recompute(small_store, copy, model):
     u, g, samples = _unit(copy, small_store.plan.version)
     g["hidden"][:] = g["hidden"][:] * np.float32(1.01)  # plausible-looking but not the target's states
+    _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy, model, n=len(samples) + 20)
     assert any("equal a fresh batch-1 forward" in f and "relative error" in f for f in r.failures), r.failures
 
 
-def test_missing_commit_and_wrong_input_ids(small_store, copy):
+def test_missing_commit_and_wrong_input_ids_and_mask(small_store, copy):
     version = small_store.plan.version
-    u, g, samples = _unit(copy, version)
-    (copy / version / "units" / u / "commit.json").unlink()
-    ids = g["input_ids"][:]
+    u0, _, _ = _unit(copy, version, 0)
+    (copy / version / "units" / u0 / "commit.json").unlink()
+    u1, g, samples = _unit(copy, version, 1)
+    ids, mask = g["input_ids"][:], g["loss_mask"][:]
     ids[0] += 1
+    mask[samples[1][1]] ^= 1
     g["input_ids"][:] = ids
+    g["loss_mask"][:] = mask
+    _recommit(copy, version, u1)
     r = _validate(small_store, copy)
     failed = " ".join(r.failures)
-    assert "units committed" in failed and u in failed
+    assert f"unit {u0}" in failed and "commit.json" in failed
     assert f"input_ids equal the prepared ones: sample {samples[0][0]}" in failed
+    assert f"loss_mask equals the prepared one: sample {samples[1][0]}" in failed
+
+
+def test_damaged_index_and_ids_are_report_lines_not_exceptions(small_store, copy):
+    """A shard index and an input_ids chunk that cannot be decoded, committed as they are: lines, no raise."""
+    version = small_store.plan.version
+    u, _, _ = _unit(copy, version, 0)
+    unit = copy / version / "units" / u
+    shard = unit / "hidden" / "c" / "0" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # inside the shard index
+    shard.write_bytes(bytes(data))
+    ids = unit / "input_ids" / "c" / "0"
+    ids.write_bytes(ids.read_bytes()[:-7] + b"garbage")
+    _recommit(copy, version, u)
+    r = _validate(small_store, copy, n=0)
+    assert not r.ok and any(f"unit {u}" in f for f in r.failures), r.failures
+
+
+def test_last_decoder_layer_validates_pre_norm(model_dir, tmp_path, model):
+    """layers.ids=[7] on the 8-layer embedded target: the stored value is the layer's own output, before the
+    final norm; validation compares it with that, not with HF's post-norm hidden_states[-1]."""
+    from tests.helpers import extract_local
+
+    ex = extract_local(
+        tmp_path,
+        {"data.max_samples": 8, "layers.preset": "explicit", "layers.ids": [7], "layers.capture_last": True},
+    )
+    assert len(model.model.layers) == 8
+    r = validate_store(ex.store, ex.plan.version, ex.prepared, ValidateConfig(recompute_samples=4), model=model)
+    assert r.ok, r.failures
+    assert len(r.recomputed) == 4 and all(x["max_rel_err"] < 1e-5 for x in r.recomputed)

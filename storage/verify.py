@@ -1,0 +1,262 @@
+"""Verify a store version: every committed file present, of its committed size and (with digests) content,
+every attribute readers depend on equal to its record, every planned unit there and committed.
+
+The records checked (docs/STORE.md, "Integrity"):
+- `<version>/version.json`: XXH3-128 of each version attribute readers depend on (layout.READER_ATTRS);
+- `<version>/plans/<unit>.json`: the unit's attributes as planned (samples, n_tokens, chunking, dtype);
+- `<version>/units/<unit>/commit.json`: committed tokens and every committed file with size and XXH3-128
+  (the unit's zarr.json, so its attributes, among them).
+
+Each problem is one `Problem` (unit, array, file, what); nothing here raises on damaged data. `kind` tells
+damage ("damaged": a rerun of extract discards the unit and extracts its samples again) from work not yet
+done ("incomplete": a rerun resumes it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_pipeline.storage import digest
+from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD
+from dflash_pipeline.storage.store import Store
+
+DAMAGED, INCOMPLETE = "damaged", "incomplete"
+PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
+
+
+@dataclass(frozen=True)
+class Problem:
+    unit: str  # "-" for the version itself
+    array: str  # "-" when no array is concerned
+    file: str  # relative to the version directory
+    what: str
+    kind: str = DAMAGED
+
+    def line(self) -> str:
+        return f"unit {self.unit}  array {self.array}  file {self.file}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    version: str
+    url: str
+    digests: bool
+    problems: list[Problem] = field(default_factory=list)
+    units: int = 0
+    files: int = 0
+    bytes: int = 0  # bytes of the committed files (read whole when digests are checked)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def damaged_units(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for p in self.problems:
+            if p.kind == DAMAGED and p.unit != "-":
+                out.setdefault(p.unit, []).append(f"{p.file}: {p.what}")
+        return out
+
+    def summary(self) -> str:
+        how = "sizes and XXH3-128 digests" if self.digests else "presence and sizes"
+        rate = f", {self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s" if self.digests else ""
+        verdict = (
+            "healthy" if self.ok else f"{len(self.problems)} problems in {len(self.damaged_units())} damaged units"
+        )
+        return (
+            f"{self.url}: {verdict}; checked {self.units} units, {self.files} files, {self.bytes / 2**20:.1f} MiB "
+            f"({how}) in {self.seconds:.2f} s{rate}"
+        )
+
+
+def _array_of(rel: str) -> str:
+    head = rel.split("/", 1)[0]
+    return head if head in ARRAYS else "-"
+
+
+def check_version_attrs(store: Store, version: str) -> list[Problem]:
+    """The version's attributes against the digests of its version record."""
+    try:
+        record = store.version_record(version)
+    except (ValueError, OSError) as e:
+        return [Problem("-", "-", VERSION_RECORD, f"version record unreadable: {e}")]
+    try:
+        attrs = store.attrs(version)
+    except Exception as e:  # noqa: BLE001 - a damaged zarr.json is a finding, not a crash
+        return [Problem("-", "-", "zarr.json", f"version attributes unreadable: {type(e).__name__}: {e}")]
+    if record is None:
+        return [Problem("-", "-", VERSION_RECORD, "version record missing: the version's attributes cannot be checked")]
+    problems = []
+    for k, d in sorted(record.get("attrs", {}).items()):
+        if k not in attrs:
+            problems.append(Problem("-", "-", "zarr.json", f"version attribute {k} is missing"))
+        elif digest.of_attr(attrs[k]) != d:
+            problems.append(
+                Problem(
+                    "-",
+                    "-",
+                    "zarr.json",
+                    f"version attribute {k} was altered (now {_short(attrs[k])}; its XXH3-128 "
+                    f"{digest.of_attr(attrs[k])} differs from the version record's {d})",
+                )
+            )
+    missing = [k for k in READER_ATTRS if k in attrs and k not in record.get("attrs", {})]
+    if missing:
+        problems.append(Problem("-", "-", VERSION_RECORD, f"version record does not cover attributes {missing}"))
+    return problems
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def check_unit(
+    store: Store, version: str, unit: str, capture_last: bool, digests: bool
+) -> tuple[list[Problem], int, int]:
+    """(problems, files checked, bytes of the committed files) of one unit."""
+    rel = f"units/{unit}"
+    unit_rel = f"{version}/{rel}"
+    P = lambda file, what, kind=DAMAGED, array=None: Problem(  # noqa: E731
+        unit, array or _array_of(file), f"{rel}/{file}" if file else rel, what, kind
+    )
+    try:
+        plan = store.plan_record(version, unit)
+    except (ValueError, OSError) as e:
+        return [Problem(unit, "-", f"{PLANS}/{unit}.json", f"plan record unreadable: {e}")], 0, 0
+    if not store.loc.exists(f"{unit_rel}/zarr.json"):
+        n = len(plan["samples"]) if plan else "?"
+        return [P("", f"unit directory missing or not a zarr group (planned with {n} samples)")], 0, 0
+    try:
+        attrs = store.unit_attrs(version, unit)
+    except Exception as e:  # noqa: BLE001
+        return [P("zarr.json", f"unit attributes unreadable: {type(e).__name__}: {e}")], 0, 0
+    if not attrs.get("planned"):
+        return (
+            [P("zarr.json", "half-planned (the planner was interrupted); the next extract plans it again", INCOMPLETE)],
+            0,
+            0,
+        )
+    problems: list[Problem] = []
+    if plan is None:
+        problems.append(
+            Problem(unit, "-", f"{PLANS}/{unit}.json", "plan record missing: its attributes cannot be checked")
+        )
+    else:
+        for k in PLANNED_KEYS:
+            if attrs.get(k) != plan.get(k):
+                problems.append(
+                    P(
+                        "zarr.json",
+                        f"attribute {k} differs from the plan record ({_short(attrs.get(k))} != {_short(plan.get(k))})",
+                    )
+                )
+    problems += _check_sample_table(attrs, P)
+    try:
+        rec = store.loc.read_json(f"{unit_rel}/commit.json")
+    except ValueError as e:
+        return problems + [P("commit.json", f"commit record unreadable: {e}")], 0, 0
+    listing = store.loc.list_files(unit_rel) if digests is not None or rec is None else {}
+    if rec is None:
+        shards = [
+            f for f in listing if f.split("/", 1)[0] in SHARDED_ARRAYS and "/c/" in f and not f.endswith(".partial")
+        ]
+        if shards:
+            problems.append(P("commit.json", f"commit record missing while {len(shards)} shard files exist (deleted?)"))
+        else:
+            problems.append(P("commit.json", "nothing committed yet (no commit record)", INCOMPLETE))
+        return problems, 0, 0
+    files: dict[str, dict | None] = rec.get("files") or {}
+    if not files:
+        return problems + [P("commit.json", "commit record lists no files (written before store format 2)")], 0, 0
+    committed, n_tokens, shard = rec.get("committed_tokens", 0), attrs.get("n_tokens"), attrs.get("shard_tokens") or 1
+    if not (committed % shard == 0 or committed == n_tokens) or bool(rec.get("complete")) != (committed == n_tokens):
+        problems.append(
+            P(
+                "commit.json",
+                f"commit record inconsistent: {committed} of {n_tokens} tokens, complete={rec.get('complete')}",
+            )
+        )
+    elif not rec.get("complete"):
+        problems.append(P("commit.json", f"not complete: {committed} of {n_tokens} tokens committed", INCOMPLETE))
+    n_shards = -(-committed // shard)
+    for array in SHARDED_ARRAYS:
+        if array == "last_hidden" and not capture_last:
+            continue
+        listed = sum(1 for f in files if f.startswith(f"{array}/c/"))
+        if listed != n_shards:
+            problems.append(P(f"{array}/c", f"commit record lists {listed} shard files, {n_shards} are committed"))
+    for f in ("zarr.json", "hidden/zarr.json", "input_ids/zarr.json", "loss_mask/zarr.json"):
+        if f not in files:
+            problems.append(P(f, "not covered by the commit record"))
+    if digests is None:
+        return problems, 0, 0
+    n_bytes = 0
+    for f, want in sorted(files.items()):
+        if want is None:  # zarr wrote no file: every value is the fill value
+            continue
+        n_bytes += want["size"]
+        size = listing.get(f)
+        if size is None:
+            problems.append(P(f, f"missing (committed with {want['size']} bytes)"))
+        elif size != want["size"]:
+            problems.append(
+                P(f, f"{size} bytes, committed with {want['size']} ({'truncated' if size < want['size'] else 'grown'})")
+            )
+        elif digests:
+            got = (store.loc.digest_of(f"{unit_rel}/{f}") or {}).get(digest.ALGORITHM)
+            if got != want.get(digest.ALGORITHM):
+                what = (
+                    f"content differs from the commit record (XXH3-128 {got}, committed {want.get(digest.ALGORITHM)})"
+                )
+                problems.append(P(f, what))
+    return problems, len(files), n_bytes
+
+
+def _check_sample_table(attrs: dict, P) -> list[Problem]:
+    samples, n = attrs.get("samples"), attrs.get("n_tokens")
+    try:
+        pos = 0
+        for sid, start, length in samples:
+            if start != pos or length <= 0:
+                return [P("zarr.json", f"sample table broken at sample {sid}: starts at {start}, expected {pos}")]
+            pos += length
+        if pos != n:
+            return [P("zarr.json", f"sample table covers {pos} tokens, the unit has {n}")]
+    except (TypeError, ValueError) as e:
+        return [P("zarr.json", f"sample table unreadable: {e}")]
+    return []
+
+
+def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
+    """Check everything of `version`; never raises on damaged data (problems are in the report)."""
+    t0 = time.monotonic()
+    report = VerifyReport(version, store.loc.url_of(version), digests)
+    report.problems += check_version_attrs(store, version)
+    try:
+        capture_last = bool(store.attrs(version).get("capture_last"))
+    except Exception:  # noqa: BLE001 - reported above
+        capture_last = False
+    units = sorted(set(store.units(version)) | set(store.planned_units(version)))
+    report.units = len(units)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for problems, n_files, n_bytes in pool.map(
+            lambda u: check_unit(store, version, u, capture_last, digests), units
+        ):
+            report.problems += problems
+            report.files += n_files
+            report.bytes += n_bytes
+    if not units:
+        report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def damaged_units(store: Store, version: str, digests: bool = False) -> dict[str, list[str]]:
+    """{unit: its problems} of the units that fail verification (damage, not unfinished work)."""
+    return verify_version(store, version, digests).damaged_units()

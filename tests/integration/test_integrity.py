@@ -1,0 +1,147 @@
+"""A store that cannot silently lie: each kind of damage to a copy of a validated store is caught by the
+reader, by `dflash-pipeline verify` and by validation (as report lines), and a rerun of extract (after
+`verify --repair` where only digests can see the damage) restores it bit for bit, recomputing only the
+damaged units."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import zarr
+
+from dflash_pipeline.cli import main as cli
+from dflash_pipeline.config import ValidateConfig
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.extraction.batching import plan_batches
+from dflash_pipeline.extraction.validate import validate_store
+from dflash_pipeline.storage.reader import HiddenStateDataset
+from dflash_pipeline.storage.store import Store
+from tests.helpers import assert_same_store, extract_local, snapshot
+
+# conftest.small_store's run: 60 samples in 2 units, layers [1, 2, 3] + last, float32
+SMALL = {
+    "data.max_samples": 60,
+    "layers.preset": "explicit",
+    "layers.ids": [1, 2, 3],
+    "layers.capture_last": True,
+    "extract.unit_tokens": 2500,
+}
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _edit(group: Path, key: str, fn) -> None:
+    g = zarr.open_group(str(group), mode="r+")
+    g.attrs[key] = fn(g.attrs[key])
+
+
+def _swap_first_two(samples):
+    (a, sa, na), (b, sb, nb) = samples[0], samples[1]
+    return [[b, sa, na], [a, sb, nb]] + list(samples[2:])
+
+
+U0, U1 = "units/u00000", "units/u00001"
+# name: (damage(version dir), what the reader / verify / validation must name, damaged units, digests only)
+DAMAGES = {
+    "delete_shard": (lambda v: (v / U0 / "hidden/c/0/0/0").unlink(), f"{U0}/hidden/c/0/0/0", ["u00000"], False),
+    "truncate_shard": (lambda v: _truncate(v / U1 / "last_hidden/c/0/0"), f"{U1}/last_hidden/c/0/0", ["u00001"], False),
+    "flip_hidden": (lambda v: _flip(v / U0 / "hidden/c/0/0/0"), f"{U0}/hidden/c/0/0/0", ["u00000"], True),
+    "flip_last_hidden": (lambda v: _flip(v / U1 / "last_hidden/c/0/0"), f"{U1}/last_hidden/c/0/0", ["u00001"], True),
+    "flip_input_ids": (lambda v: _flip(v / U1 / "input_ids/c/0"), f"{U1}/input_ids/c/0", ["u00001"], True),
+    "delete_commit": (lambda v: (v / U0 / "commit.json").unlink(), f"{U0}/commit.json", ["u00000"], False),
+    "edit_version_dtype": (lambda v: _edit(v, "logical_dtype", lambda _: "bfloat16"), "logical_dtype", [], False),
+    "edit_unit_dtype": (
+        lambda v: _edit(v / U1, "logical_dtype", lambda _: "float16"),
+        "logical_dtype",
+        ["u00001"],
+        False,
+    ),
+    "edit_sample_table": (lambda v: _edit(v / U0, "samples", _swap_first_two), "samples", ["u00000"], False),
+    "edit_layer_ids": (lambda v: _edit(v, "layer_ids", lambda ids: ids[:-1] + [ids[-1] + 1]), "layer_ids", [], False),
+}
+
+
+@pytest.fixture(scope="module")
+def original(small_store):
+    store = Store(small_store.store)
+    version = small_store.plan.version
+    batches = {
+        u: len(plan_batches([s[2] for s in store.unit_attrs(version, u)["samples"]], small_store.report.token_budget))
+        for u in store.units(version)
+    }
+    return snapshot(store, version), batches
+
+
+def test_original_store_verifies_and_validates(small_store, capsys):
+    assert cli(["verify", small_store.store]) == 0
+    out = capsys.readouterr().out
+    assert "healthy" in out and "2 units" in out
+    r = validate_store(
+        small_store.store, small_store.plan.version, small_store.prepared, ValidateConfig(recompute_samples=0)
+    )
+    assert r.ok, r.failures
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, damage):
+    damage_fn, name, damaged, digests_only = DAMAGES[damage]
+    before, batches = original
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    damage_fn(root / version)
+
+    # the reader: raises naming the file or attribute (content damage needs its digest mode)
+    with pytest.raises(StoreError, match=name):
+        ds = HiddenStateDataset(root, version, verify="digests")
+        for i in range(len(ds)):
+            ds[i]
+    if not digests_only:  # the default mode sees everything but content
+        with pytest.raises(StoreError, match=name):
+            ds = HiddenStateDataset(root, version)
+            for i in range(len(ds)):
+                ds[i]
+
+    # verify: non-zero, one line naming it
+    assert cli(["verify", str(root), "--version", version]) == 1
+    out = capsys.readouterr().out
+    assert name in out and "problems" in out.splitlines()[-1], out
+
+    # validation: a failed report naming it, no exception
+    r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=2))
+    assert not r.ok and name in " ".join(r.failures), r.failures
+
+    # repair: content damage is found by verify --repair; the rest by the rerun of extract itself
+    if digests_only:
+        assert cli(["verify", str(root), "--repair"]) == 1
+        assert "discarded 1 damaged units" in capsys.readouterr().out
+    rerun = extract_local(tmp_path, SMALL)
+    assert sorted(rerun.plan.repaired_units) == damaged
+    assert rerun.result.forward_passes == sum(batches[u] for u in damaged)  # only the damaged units
+    assert_same_store(before, snapshot(Store(root), version))
+    assert cli(["verify", str(root)]) == 0
+    r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=0))
+    assert r.ok, r.failures
+
+
+def test_missing_unit_directory_is_named_and_rebuilt(small_store, original, tmp_path, capsys):
+    before, batches = original
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    shutil.rmtree(root / version / U1)
+    with pytest.raises(StoreError, match="u00001.*unit directory missing"):
+        HiddenStateDataset(root, version)
+    assert cli(["verify", str(root)]) == 1
+    assert "unit directory missing" in capsys.readouterr().out
+    rerun = extract_local(tmp_path, SMALL)
+    assert rerun.result.forward_passes == batches["u00001"]
+    assert_same_store(before, snapshot(Store(root), version))
