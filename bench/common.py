@@ -7,15 +7,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 SHAPES = {
     "8b": dict(
@@ -174,3 +170,29 @@ def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: st
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def bench_probe(cfg):
+    """The pipeline's probe on a bench checkpoint. Bench checkpoints have no tokenizer; the embedded target's
+    stands in (the samples are synthetic ids, so it only supplies the pad id and passes the tokenizer check)."""
+    from dflash_pipeline.embedded import resolve_model
+    from dflash_pipeline.extraction.probe import probe
+
+    return probe(cfg.target, cfg.layers, cfg.extract, cfg.target.model_path, resolve_model("embedded"))
+
+
+def worker_spec(store_root, version: str, units: list[str], report, cfg, dtype_name: str, device: str, writers=None):
+    """The WorkerSpec the pipeline would hand this device."""
+    from dflash_pipeline.extraction.spec import WorkerSpec
+
+    return WorkerSpec(
+        store_root=str(store_root),
+        version=version,
+        units=list(units),
+        report=report,
+        extract=cfg.extract,
+        store_dtype=dtype_name,
+        device=device,
+        threads=1,
+        writers=writers,
+    )

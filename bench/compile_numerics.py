@@ -11,17 +11,13 @@ batch-shape noise the validation tolerance was set for.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-from dflash_pipeline.extraction.loader import compile_modules  # noqa: E402
-from dflash_pipeline.extraction.validate import TOLERANCE  # noqa: E402
+from dflash_pipeline.extraction.loader import compile_modules
+from dflash_pipeline.extraction.validate import TOLERANCE
 
 
 def main() -> None:

@@ -36,14 +36,20 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from common import SHAPES, build_model, dir_bytes, log, plan_store, synthetic_samples, write_manifest_checkpoint  # noqa: E402
-from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes, sync  # noqa: E402
+import numpy as np
+import torch
+from common import (
+    SHAPES,
+    bench_probe,
+    build_model,
+    dir_bytes,
+    log,
+    plan_store,
+    synthetic_samples,
+    worker_spec,
+    write_manifest_checkpoint,
+)
+from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes, sync
 
 GIB = 2**30
 
@@ -137,7 +143,7 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
     procs = uses_writer_processes(cfg.extract.store_writers, device)
     rss0, pss0 = rss_bytes(), pss_bytes()
     t_call = time.monotonic()
-    r = run_worker(store.url, version, units, report, device, cfg.extract, dtype_name, 0, writers=threads)
+    r = run_worker(worker_spec(store.url, version, units, report, cfg, dtype_name, device, writers=threads))
     t_end = time.monotonic()
     loop_wall = r.tokens / r.tokens_per_s
     rss_peak, pss_peak, util = sampler.window(t_end - loop_wall, t_end)
@@ -255,7 +261,6 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction import loader as loader_mod
     from dflash_pipeline.extraction.loader import compile_modules, load_planned, resolve_compile
-    from dflash_pipeline.extraction.probe import probe
 
     device = args.device
     cuda = device.startswith("cuda")
@@ -293,7 +298,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {}),
     }
     cfg = load_config(None, base)
-    report = probe(cfg.target, cfg.layers, cfg.extract, str(ckpt))
+    report = bench_probe(cfg)
     res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
     log(f"{shape}: probe: layers {report.layer_ids}, kernels {report.kernels}, dtype kwarg {report.dtype_kwarg}")
 

@@ -31,26 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import torch  # noqa: E402
-from common import build_model, log, plan_store, synthetic_samples  # noqa: E402
-
-
-def spec(store_root: Path, version: str, units: list[str], report, cfg, dtype_name: str) -> dict:
-    return {
-        "store_root": str(store_root),
-        "version": version,
-        "units": units,
-        "report": report.to_dict(),
-        "extract": cfg.extract.model_dump(mode="json"),
-        "store_dtype": dtype_name,
-        "pad_id": 0,
-        "attn_implementation": None,
-        "threads": 1,
-    }
+import torch
+from common import bench_probe, build_model, log, plan_store, synthetic_samples, worker_spec
 
 
 def split_replica(
@@ -60,7 +42,6 @@ def split_replica(
     import zarr
 
     from dflash_pipeline.config import load_config
-    from dflash_pipeline.extraction.probe import probe
     from dflash_pipeline.extraction.procs import run_in_process
 
     # Same batches as the one-GPU run, and room for 3/4 of the weights per GPU: one GPU cannot hold a replica.
@@ -77,12 +58,12 @@ def split_replica(
             "extract.token_budget": report.token_budget,
         },
     )
-    sreport = probe(scfg.target, scfg.layers, scfg.extract, report.model_path)
+    sreport = bench_probe(scfg)
     log(f"probe with {cap:.1f} GiB per GPU: {sreport.placement}; token budget {sreport.token_budget}")
     assert sreport.replicas == ["+".join(devices)], sreport.replicas
     ids = synthetic_samples(args.tokens_per_gpu, vocab, seed=1)
     store, v, units = plan_store(work / "store_split", sreport, scfg, *ids, dtype_name)
-    r = run_in_process(spec(work / "store_split", v, units, sreport, scfg, dtype_name), sreport.replicas[0])
+    r = run_in_process(worker_spec(work / "store_split", v, units, sreport, scfg, dtype_name, sreport.replicas[0]))
     log(f"split replica {sreport.replicas[0]}: {r.tokens_per_s:,.0f} tokens/s, peak {r.peak_gpu_gib:.1f} GiB/GPU")
     equal, compared = True, 0
     for u in units:
@@ -108,7 +89,6 @@ def split_replica(
 def main() -> int:
     from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction.plan import assign_units
-    from dflash_pipeline.extraction.probe import probe
     from dflash_pipeline.extraction.procs import run_in_process
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,12 +125,12 @@ def main() -> int:
             "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
         },
     )
-    report = probe(cfg.target, cfg.layers, cfg.extract, str(work / "model"))
+    report = bench_probe(cfg)
 
     # one device
     ids = synthetic_samples(args.tokens_per_gpu, vocab, seed=1)
     _, v1, units1 = plan_store(work / "store1", report, cfg, *ids, dtype_name)
-    one = run_in_process(spec(work / "store1", v1, units1, report, cfg, dtype_name), devices[0])
+    one = run_in_process(worker_spec(work / "store1", v1, units1, report, cfg, dtype_name, devices[0]))
     res["one_device"] = {"tokens": one.tokens, "tokens_per_s": one.tokens_per_s, "seconds_with_load": one.seconds}
     log(f"1 device: {one.tokens_per_s:,.0f} tokens/s ({one.tokens} tokens)")
 
@@ -167,7 +147,7 @@ def main() -> int:
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(devices)) as ex:
         futs = {
-            d: ex.submit(run_in_process, spec(work / "store2", v2, us, report, cfg, dtype_name), d)
+            d: ex.submit(run_in_process, worker_spec(work / "store2", v2, us, report, cfg, dtype_name, d))
             for d, us in assignment.items()
         }
         many = {d: f.result() for d, f in futs.items()}
@@ -205,7 +185,7 @@ def main() -> int:
         device="cpu" if args.cpu_smoke else "cuda:0",
         mask_token=vocab - 1,
     )  # the bench model has no tokenizer: an id inside the embedding
-    tr = train(tc, str(work / "store2"), str(work / "model"), work / "drafter", version=v2)
+    tr = train(tc, str(work / "store2"), report, work / "drafter", version=v2)
     steady = tr.history[len(tr.history) // 3 :]
     res["drafter_training"] = {
         "steps": tr.steps,
