@@ -38,9 +38,16 @@ def plan_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> P
     return plan
 
 
+def _worker_name() -> str:
+    from prefect.runtime import task_run
+
+    spec = task_run.parameters["spec"]
+    return f"extract {len(spec.units)} units on {spec.name}"
+
+
 @task(
     name="extract-hidden-states",
-    task_run_name="extract {spec.name}",
+    task_run_name=_worker_name,
     cache_policy=NO_CACHE,
     retry_condition_fn=retry_unless_user_error,
     retry_delay_seconds=5,

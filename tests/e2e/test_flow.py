@@ -61,7 +61,7 @@ def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_
     } <= keys
 
     again = dflash_pipeline(overrides={**overrides, "stages": EXTRACT_STAGES})
-    assert again["forward_passes"] == 0 and again["new_samples"] == 0 and again["validation"] == "PASS"
+    assert again.forward_passes == 0 and again.new_samples == 0 and again.validation == "PASS"
 
 
 def test_flow_fails_clearly_on_bad_config(prefect_harness):
@@ -85,7 +85,7 @@ def test_failed_validation_leaves_current_untouched(prefect_harness, model_dir, 
         "extract.incremental": True,
         "extract.new_version": True,
     }
-    assert dflash_pipeline(overrides={**base, "data.max_samples": 10})["current"] == "v0001"
+    assert dflash_pipeline(overrides={**base, "data.max_samples": 10}).current == "v0001"
     # New rows extracted into v0002, but not yet validated ...
     dflash_pipeline(overrides={**base, "data.max_samples": 14, "stages": ["prepare", "probe", "extract"]})
     store = Store(tmp_path / "store")
