@@ -55,3 +55,26 @@ def test_store_lock_is_exclusive(tmp_path):
                 pass
     with store.lock():  # released
         pass
+
+
+def test_failed_run_with_broken_weights_does_not_block_the_next(tmp_path, model_dir):
+    """A run that fails before committing anything (truncated weights) leaves a version nothing was ever
+    committed to; the next run, with the weights repaired, must not be refused as 'another model'."""
+    import shutil
+    from pathlib import Path
+
+    from dflash_pipeline.errors import CompatError
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    overrides = {"data.max_samples": 8, "target.model_path": str(model)}
+    with pytest.raises(CompatError, match="cannot load the target"):
+        extract_local(tmp_path / "run", overrides)
+    assert Store(tmp_path / "run/store").versions() == ["v0001"]  # stamped, with nothing committed
+
+    shutil.copy2(Path(model_dir) / "model.safetensors", weights)
+    ok = extract_local(tmp_path / "run", overrides)
+    assert ok.plan.version == "v0001" and ok.result.forward_passes > 0
+    assert len(HiddenStateDataset(tmp_path / "run/store", "v0001")) == 8
