@@ -12,6 +12,7 @@ the stage functions directly. So a change to the pipeline's shape is made here, 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.extraction.tokenizer import load_tokenizer
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
 from dflash_pipeline.storage.store import PlanResult, Store
+
+log = logging.getLogger(__name__)
 
 
 # ---- paths ------------------------------------------------------------------------------------------------
@@ -187,6 +190,20 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
     return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
 
 
+def discard_failed_versions(store: Store) -> list[str]:
+    """Versions newer than CURRENT whose validation failed (their validation.json says so) are deleted, so that
+    a nightly run (extract.new_version) starts again from CURRENT instead of extending data that did not
+    validate. A newer version that never got as far as validation (a crash, a stop) is kept: the next run
+    resumes it from its commit records. CURRENT itself is never touched."""
+    current, versions = store.current(), store.versions()
+    newer = versions[versions.index(current) + 1 :] if current in versions else versions
+    failed = [v for v in newer if (store.loc.read_json(f"{v}/validation.json") or {}).get("ok") is False]
+    for v in failed:
+        log.warning("discarding store version %s: its validation failed; this run starts again from %s", v, current)
+        store.delete_version(v)
+    return failed
+
+
 # ---- the order --------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class RunSummary:
@@ -297,6 +314,8 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
     if stages & {"extract", "validate"}:
         with store.lock():  # one run per store at a time, whichever deployment started it
             summary.previous_current = store.current()
+            if cfg.extract.new_version and "extract" in stages:  # nightly: heal after a failed night
+                discard_failed_versions(store)
             plan_ = runner.plan(cfg, report, prepared)
             summary.version, summary.units = plan_.version, plan_.n_units
             summary.new_units, summary.new_samples = len(plan_.new_units), plan_.new_samples
