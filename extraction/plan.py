@@ -25,6 +25,22 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def _git_revision() -> str | None:
+    """The checkout's commit (with '+dirty' for uncommitted changes) when running from a git checkout."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_fp: str) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
@@ -43,8 +59,18 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
         "tokenizer_fingerprint": tokenizer_fp,
         "template_fingerprint": template_fp,
         "libraries": {
-            p: _version(p) for p in ("torch", "transformers", "zarr", "numcodecs", "prefect", "flash-linear-attention")
+            p: _version(p)
+            for p in (
+                "dflash-pipeline",
+                "torch",
+                "transformers",
+                "zarr",
+                "numcodecs",
+                "prefect",
+                "flash-linear-attention",
+            )
         },
+        "dflash_pipeline_git": _git_revision(),
         "run_config": cfg.dump(),
     }
 

@@ -26,6 +26,10 @@ from dflash_pipeline.handoff import Handoff
 log = logging.getLogger(__name__)
 GDN_PADDING_FIXED = "5.15.0"  # first transformers release where padded batches through GDN layers are right
 GIB = 2**30
+# Storage libraries this release is tested with (CI: zarr 3.1.x on Python 3.11, the newest 3.x on 3.12). The
+# store's shard writer reads zarr's codec objects, whose shapes changed between 3.1 and 3.2 (BytesCodec.endian:
+# an enum, then a str); outside this range it is untested and refused.
+TESTED_STORAGE = {"zarr": ("3.1", "4"), "numcodecs": ("0.15", "1")}
 
 
 @dataclass
@@ -178,6 +182,21 @@ def probe_dtype_kwarg() -> str:
     )
 
 
+def check_storage_libraries() -> dict[str, str]:
+    """The installed zarr / numcodecs versions; a CompatError naming them when outside the tested range."""
+    import importlib.metadata as md
+
+    found = {}
+    for pkg, (low, high) in TESTED_STORAGE.items():
+        v = found[pkg] = md.version(pkg)
+        if not _version_tuple(low) <= _version_tuple(v) < _version_tuple(high):
+            raise CompatError(
+                f"{pkg} {v} is installed; dflash-pipeline is tested with {pkg}>={low},<{high} (its store writer "
+                f"reads {pkg}'s codec objects). Install a tested version: pip install '{pkg}>={low},<{high}'"
+            )
+    return found
+
+
 def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
@@ -252,6 +271,7 @@ def probe(
     ids = select_layer_ids(layers, num_layers)
     warnings: list[str] = []
     hybrid = "linear_attention" in layer_types
+    check_storage_libraries()
     if hybrid and _version_tuple(transformers.__version__) < _version_tuple(GDN_PADDING_FIXED):
         raise CompatError(
             f"{model_path} has Gated DeltaNet (linear_attention) layers and transformers "
