@@ -10,7 +10,13 @@ Format (documented here because the test re-implements a forward from it):
   `layers.{i}.self_attn.{q,k}_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
   `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`. No embedding / lm_head: the
   target's are used. RMSNorms are Qwen3's (x / rms * weight).
+- modeling_dflash.py: a self-contained `DFlashDraftModel` (torch + transformers only); config.json's
+  `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` points AutoModel at it, so
+  `AutoModel.from_pretrained(export, trust_remote_code=True)` gives the drafter (as z-lab documents).
 - dflash_meta.json (ours, ignored by servers): training / evaluation provenance.
+
+The directory and its files get the permissions the process's umask allows (0755 / 0644 under the usual
+022), not the 0700 of a temp directory: a serving container or another user must be able to read them.
 """
 
 from __future__ import annotations
@@ -28,11 +34,35 @@ from dflash_pipeline.drafter.model import FULL, DFlashDrafter, DraftSpec
 from dflash_pipeline.errors import ConfigError
 
 CONFIG, WEIGHTS, META = "config.json", "model.safetensors", "dflash_meta.json"
+MODELING = "modeling_dflash.py"
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)  # not thread-safe, hence only the fallback
+    os.umask(old)
+    return old
+
+
+def _make_readable(directory: Path) -> None:
+    """Give the directory and its files the modes a plain mkdir / open would (0o777 / 0o666 less the umask)."""
+    mask = _umask()
+    directory.chmod(0o777 & ~mask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~mask)
 
 
 def hf_config(spec: DraftSpec, dtype: str = "bfloat16") -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": dict(AUTO_MAP),
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -110,6 +140,8 @@ def export_drafter(
         dt = str(dtype).removeprefix("torch.")
         (tmp / CONFIG).write_text(json.dumps(hf_config(model.spec, dt), indent=2))
         (tmp / META).write_text(json.dumps(meta or {}, indent=2, default=str))
+        shutil.copyfile(Path(__file__).with_name(MODELING), tmp / MODELING)
+        _make_readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -138,4 +170,5 @@ def update_meta(path: str | Path, **entries: Any) -> None:
     meta.update(entries)
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=2, default=str))
+    tmp.chmod(0o666 & ~_umask())
     os.replace(tmp, f)
