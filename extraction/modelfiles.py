@@ -93,10 +93,10 @@ def weights_fingerprint(model_path: str, sample_blocks: int = 32, block: int = 1
             for i in range(sample_blocks):
                 fh.seek(i * (size - block) // (sample_blocks - 1))
                 h.update(fh.read(block))
-    return h.hexdigest()[:20]
+    return h.hexdigest()  # full length: the store records provenance untruncated (docs/STORE.md)
 
 
 def config_hash(model_path: str) -> str:
     cfg = read_model_config(model_path)
     cfg.pop("transformers_version", None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
