@@ -16,33 +16,55 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Prefect's 20 s default start-up limit for its temporary server runs out on a loaded 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        from datasets.utils.logging import disable_progress_bar
-
-        disable_progress_bar()
-    except ImportError:
-        pass
+    # Progress bars off through the environment (read by huggingface_hub, transformers and datasets, here and
+    # in every child): importing transformers just to switch them off cost 4 s before the first check.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dflash_pipeline.config import load_config, parse_override
     from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.runguard import guarded_run
 
     try:
-        load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
+        cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
+        from dflash_pipeline.preflight import preflight
+
+        preflight(cfg)  # model path, layer ids, output dir: in a second, not after Prefect starts
         api = os.environ.get("PREFECT_API_URL")
         if api:  # a configured server that is down: say so now, not after a long hang
             from dflash_pipeline.serve import check_api
 
             check_api(api)
-        from dflash_pipeline.flows.pipeline import dflash_pipeline
+        with guarded_run(debug=args.debug):  # SIGTERM/SIGHUP act as Ctrl-C; nothing outlives even a SIGKILL
+            from dflash_pipeline.flows.pipeline import dflash_pipeline
 
-        summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
+            summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
     except PipelineError as e:
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(
+            f"stopped ({e or 'Ctrl-C'}): extraction workers were stopped; what was committed is kept, and running "
+            "the same command again resumes from there",
+            file=sys.stderr,
+        )
+        return 130
+    except RuntimeError as e:
+        if "server" not in str(e).lower() or args.debug:
+            raise
+        print(
+            f"error: Prefect's temporary server did not start ({e}). The machine may be busy: run again, raise "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now "
+            f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS')} s), or start a server once "
+            "(dflash-pipeline serve) and set PREFECT_API_URL",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(summary.to_dict(), indent=2, default=str))
     print(
@@ -65,9 +87,14 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.serve import serve
 
-    return serve(args.port)
+    try:
+        return serve(args.port, args.home)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -120,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set data.max_samples=100 (repeatable)",
     )
+    run.add_argument("--debug", action="store_true", help="show tracebacks (Prefect's and ours) for user errors")
     run.set_defaults(fn=cmd_run)
     b = sub.add_parser("build-default", help="build the embedded tiny target and tokenizer, print its path")
     b.set_defaults(fn=cmd_build_default)
-    sv = sub.add_parser("serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C stops)")
+    sv = sub.add_parser(
+        "serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C, SIGTERM, SIGHUP stop it)"
+    )
     sv.add_argument("--port", type=int, default=4200)
+    sv.add_argument("--home", help="Prefect's home (database, logs); default $PREFECT_HOME or ~/.prefect")
     sv.set_defaults(fn=cmd_serve)
     sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
     sc.set_defaults(fn=cmd_show_config)

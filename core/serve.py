@@ -1,7 +1,12 @@
 """Start a local Prefect server, the `dflash` process work pool, the deployments and a worker.
 
 Plain subprocesses of the `prefect` CLI (no Prefect imports), used by `dflash-pipeline serve` and by the
-end-to-end deployment test. Every started process is stopped again by `LocalPrefect.stop()`.
+end-to-end deployment test. Every started process runs in its own process group and is stopped again by
+`LocalPrefect.stop()` (SIGTERM to the group, SIGKILL after STOP_GRACE_S): the worker's group holds its flow-run
+processes, and their extraction workers exit when their flow-run process dies (extraction/worker_main.py).
+
+`serve` stops everything on SIGINT, SIGTERM and SIGHUP. A Prefect worker that dies (killed, OOM) is restarted
+and its runs fail on their own; only a dead server ends `serve`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,20 @@ from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.errors import PipelineError
 
 POOL = "dflash"
+STOP_GRACE_S = 20.0
+
+# SQLite under the server's start-up burst (migrations, services, the CLI's first calls) answers "database is
+# locked" when a writer waits longer than the driver's timeout; give it room, and skip the services we never use.
+SERVER_DEFAULTS = {
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
+    "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "30",
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_EVENT_LOGGER_ENABLED": "false",
+}
+
+
+class Stop(Exception):  # noqa: N818 - a request, not an error
+    """SIGTERM / SIGHUP received: stop what `serve` started."""
 
 
 def check_api(url: str, timeout: float = 5.0) -> None:
@@ -52,6 +71,7 @@ class LocalPrefect:
 
     def env(self) -> dict[str, str]:
         env = {
+            **SERVER_DEFAULTS,
             **os.environ,
             "PREFECT_API_URL": self.api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -71,10 +91,13 @@ class LocalPrefect:
             raise PipelineError(f"`prefect {' '.join(args)}` failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return res
 
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.home or self.workdir / "runs") / "logs"
+
     def _spawn(self, log_name: str, *args: str) -> subprocess.Popen:
-        log_dir = Path(self.home or self.workdir / "runs") / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(log_dir / f"{log_name}.log", "ab")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{log_name}.log", "ab")
         p = subprocess.Popen(
             [sys.executable, "-m", "prefect", *args],
             env=self.env(),
@@ -92,15 +115,18 @@ class LocalPrefect:
         while time.monotonic() < deadline:
             if p.poll() is not None:
                 raise PipelineError(
-                    f"prefect server exited with {p.returncode}; see its log under "
-                    f"{self.home or self.workdir / 'runs'}/logs/server.log (is port {self.port} in use?)"
+                    f"prefect server exited with {p.returncode}; see its log {self.log_dir}/server.log "
+                    f"(is port {self.port} in use? choose another with --port)"
                 )
             try:
                 check_api(self.api_url, timeout=2)
                 return
             except PipelineError:
                 time.sleep(1)
-        raise PipelineError(f"prefect server did not answer on {self.api_url} within {timeout:.0f} s")
+        raise PipelineError(
+            f"prefect server did not answer on {self.api_url} within {timeout:.0f} s; see {self.log_dir}/server.log "
+            "(a loaded machine: try again, or start it once by hand with `prefect server start`)"
+        )
 
     def apply_deployments(self) -> None:
         pools = self._prefect("work-pool", "ls", check=False).stdout
@@ -108,53 +134,94 @@ class LocalPrefect:
             self._prefect("work-pool", "create", POOL, "--type", "process")
         self._prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE))
 
-    def start_worker(self) -> None:
-        self._spawn("worker", "worker", "start", "--pool", POOL, "--type", "process")
+    @property
+    def server(self) -> subprocess.Popen | None:
+        return next((p for p in self.procs if p.args[3:5] == ["server", "start"]), None)
 
-    def run_deployment(self, name: str, overrides: dict | None = None) -> str:
-        """Trigger `dflash-pipeline/<name>`; returns the flow-run id."""
+    @property
+    def worker(self) -> subprocess.Popen | None:
+        return next((p for p in reversed(self.procs) if p.args[3:5] == ["worker", "start"]), None)
+
+    def start_worker(self) -> subprocess.Popen:
+        return self._spawn("worker", "worker", "start", "--pool", POOL, "--type", "process")
+
+    def run_deployment(self, name: str, overrides: dict | None = None, job_env: dict[str, str] | None = None) -> str:
+        """Trigger `dflash-pipeline/<name>` the way the README does (`-p overrides=...`); returns the flow-run id.
+        `job_env`: extra environment of this run's flow-run process (a job variable of the process pool)."""
         args = ["deployment", "run", f"dflash-pipeline/{name}"]
         if overrides is not None:
             args += ["-p", f"overrides={json.dumps(overrides)}"]
+        if job_env:
+            args += ["--job-variable", f"env={json.dumps(job_env)}"]
         out = self._prefect(*args).stdout
         for line in out.splitlines():
             if "UUID" in line:
                 return line.split()[-1]
         raise PipelineError(f"no flow-run id in the output of `prefect deployment run`:\n{out}")
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to every group this started (worker first: its flow runs end before the server), SIGKILL
+        to any group still there after `grace_s`."""
         for p in reversed(self.procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(timeout=20)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p.pid, signal.SIGKILL)  # what the leader left in its group (flow-run processes)
+            p.wait()
         self.procs.clear()
 
 
-def serve(port: int) -> int:
-    """`dflash-pipeline serve`: everything for the UI path, until Ctrl-C."""
-    lp = LocalPrefect(port=port)
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def serve(port: int, home: str | Path | None = None) -> int:
+    """`dflash-pipeline serve`: everything for the UI path, until Ctrl-C, SIGTERM or SIGHUP."""
+    home = Path(home).expanduser().absolute() if home else None
+    lp = LocalPrefect(port=port, home=home)
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         lp.start_server()
         lp.apply_deployments()
         lp.start_worker()
         print(
-            f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url})\n"
+            f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url}; Prefect home "
+            f"{home or os.environ.get('PREFECT_HOME', '~/.prefect')}; logs under {lp.log_dir})\n"
             f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC)\n"
             f"trigger: PREFECT_API_URL={lp.api_url} prefect deployment run 'dflash-pipeline/extract-only' "
-            "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C stops server and worker.",
+            "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops server and worker.",
             flush=True,
         )
-        while all(p.poll() is None for p in lp.procs):
-            time.sleep(2)
-        print("a child process exited; stopping", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        while True:
+            time.sleep(1)
+            if lp.server is None or lp.server.poll() is not None:
+                print(f"the Prefect server exited; stopping (see {lp.log_dir}/server.log)", file=sys.stderr)
+                return 1
+            worker = lp.worker
+            if worker is not None and worker.poll() is not None:
+                print(
+                    f"the Prefect worker (pid {worker.pid}) exited with {worker.returncode}; starting a new one "
+                    f"(its runs are reported crashed; see {lp.log_dir}/worker.log)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                lp.procs.remove(worker)
+                lp.start_worker()
+    except (KeyboardInterrupt, Stop) as e:
+        print(f"{e.__class__.__name__ if isinstance(e, KeyboardInterrupt) else e}: stopping", file=sys.stderr)
         return 0
     finally:
         lp.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -5,6 +5,13 @@ returns) can be killed and retried without taking the other devices down, and Pr
 cannot interrupt a thread stuck in a C call. The child reports progress as JSON lines on stdout and its
 result (or a user error) at the end; the parent turns a crash or a timeout into an exception the task
 retries, and a user error into a PipelineError it does not.
+
+Stopping (docs: README "Stopping a run"): every live worker is registered here. `stop_workers()` (called by the
+flow when the run is interrupted: Ctrl-C, SIGTERM, a cancelled flow run) sends each worker SIGTERM, which makes
+it stop at its next batch boundary after the shards already handed to its writers are committed, and SIGKILLs
+the worker's process group (its store-writer processes too) after STOP_GRACE_S. A stopped worker is reported as
+WorkerStopped, a PipelineError, so no task retries it. If this process dies without stopping them (SIGKILL),
+each worker notices on its own (worker_main.watch_parent) and exits; its GPU lock dies with it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,10 +37,66 @@ from dflash_pipeline.extraction.placement import replica_devices
 from dflash_pipeline.extraction.spec import WorkerSpec
 
 PREFIX = "@@dflash "
+PARENT_ENV = "DFLASH_WORKER_PARENT"  # the pid the worker watches (worker_main.watch_parent)
+STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL of a worker's process group when a run is stopped
+
+_live: dict[int, subprocess.Popen] = {}
+_live_lock = threading.Lock()
+_stopping = threading.Event()
 
 
 class WorkerCrashed(RuntimeError):
     """The worker process died or hung: transient from the pipeline's point of view (retry resumes)."""
+
+
+class WorkerStopped(PipelineError):
+    """The run was stopped (Ctrl-C, SIGTERM, a cancelled flow run): never retried; a rerun resumes."""
+
+
+def allow_workers() -> None:
+    """A new run in this process may start workers again (after an earlier run was stopped)."""
+    _stopping.clear()
+
+
+def live_workers() -> list[int]:
+    with _live_lock:
+        return sorted(_live)
+
+
+def stop_workers(grace_s: float = STOP_GRACE_S) -> list[int]:
+    """Stop every worker this process started, and refuse new ones until allow_workers(): SIGTERM, then
+    SIGKILL of the process group after `grace_s`. Returns the pids it stopped. Safe from any thread."""
+    _stopping.set()
+    with _live_lock:
+        procs = list(_live.values())
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(p, signal.SIGKILL)  # its writer processes too, even when the worker itself exited
+        p.wait()
+    return [p.pid for p in procs]
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with status {returncode}"
 
 
 def child_env(device: str) -> tuple[dict[str, str], str]:
@@ -54,7 +118,10 @@ def run_in_process(
 ) -> WorkerResult:
     """Run `spec` (its device named as the parent sees it) in a child pinned to that device."""
     device = spec.device
+    if _stopping.is_set():
+        raise WorkerStopped(f"extraction worker on {device} not started: the run is being stopped")
     env, local_device = child_env(device)
+    env[PARENT_ENV] = str(os.getpid())
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(replace(spec, device=local_device, label=device).to_json())
         spec_path = f.name
@@ -67,8 +134,11 @@ def run_in_process(
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        start_new_session=True,
+        start_new_session=True,  # a terminal's Ctrl-C reaches the parent only; the parent stops the worker
     )
+    with _live_lock:
+        _live[proc.pid] = proc
+    who = f"extraction worker on {device} (pid {proc.pid})"
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -93,33 +163,34 @@ def run_in_process(
     except subprocess.TimeoutExpired:
         _kill(proc)
         raise WorkerCrashed(
-            f"extraction worker on {device} did not finish within extract.worker_timeout_s="
+            f"{who} did not finish within extract.worker_timeout_s="
             f"{timeout_s:.0f} s and was killed; a retry resumes from its last commit"
         ) from None
     except BaseException:
         _kill(proc)  # the parent is being cancelled: never leave an orphan holding a GPU
         raise
     finally:
-        os.unlink(spec_path)
+        with _live_lock:
+            _live.pop(proc.pid, None)
+        try:
+            os.unlink(spec_path)  # the worker removes it once read; this covers a worker that died before
+        except FileNotFoundError:
+            pass
     reader.join(timeout=10)
     if outcome.get("kind") == "user_error":
         raise PipelineError(outcome["message"])
     if proc.returncode != 0 or outcome.get("kind") != "result":
-        how = (
-            f"was killed by signal {-proc.returncode}"
-            if proc.returncode < 0
-            else f"exited with status {proc.returncode}"
-        )
+        if _stopping.is_set():
+            raise WorkerStopped(
+                f"{who} was stopped ({_how(proc.returncode)}) because the run was stopped; "
+                "a rerun resumes from its last commit"
+            )
         raise WorkerCrashed(
-            f"extraction worker on {device} {how}; a retry resumes from its last commit. "
-            "Last output:\n" + "\n".join(tail)
+            f"{who} {_how(proc.returncode)}; a retry resumes from its last commit. Last output:\n" + "\n".join(tail)
         )
     return WorkerResult(**outcome["data"])
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _signal_group(proc, signal.SIGKILL)
     proc.wait()

@@ -6,10 +6,19 @@ each run as a Prefect task, extraction fanned out to one task per device.
 
 Every stage is resumable from its own durable record, so rerunning the flow after a crash (or on a finished
 store) redoes no finished work.
+
+Parameters compose: a deployment fixes its settings in `preset` (its stages, its store policy), and a user's
+`overrides` (`prefect deployment run ... -p overrides='{...}'`, which replaces that one parameter) apply on top;
+an override that contradicts the preset is an error naming the key, never a silent change of what the
+deployment does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
@@ -18,6 +27,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig, load_config
+from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.stages import RunSummary
@@ -30,21 +41,68 @@ from dflash_pipeline.tasks.probe import probe_task
 from dflash_pipeline.tasks.validate import validate_task
 
 
-def _run_name() -> str:
-    from prefect.runtime import flow_run
+def compose_overrides(
+    preset: dict[str, Any] | None, overrides: dict[str, Any] | None, who: str = "this deployment"
+) -> dict[str, Any]:
+    """The user's `overrides` on top of a deployment's `preset`. A key the preset fixes may be repeated with the
+    same value (stages in any order), never changed: that would silently turn one deployment into another."""
+    preset, overrides = dict(preset or {}), dict(overrides or {})
+    for key, value in overrides.items():
+        if key not in preset:
+            continue
+        fixed = preset[key]
+        same = value == fixed or (key == "stages" and isinstance(value, list) and set(value) == set(fixed or []))
+        if not same:
+            raise ConfigError(
+                f"overrides sets {key}={json.dumps(value)}, but {who} fixes {key}={json.dumps(fixed)}: "
+                f"drop {key} from overrides, or run a deployment that does what you want "
+                "(full, extract-only, train-only, nightly; see deployments/prefect.yaml)"
+            )
+    return {**preset, **overrides}
 
-    overrides = flow_run.parameters.get("overrides") or {}
-    model = str(overrides.get("target.model_path", "embedded")).rstrip("/").split("/")[-1]
-    return f"dflash {model} <- {str(overrides.get('data.source', 'embedded')).split('/')[-1]}"
+
+def config_digest(config_path: str | None, preset: dict | None, overrides: dict | None) -> str:
+    """8 hex digits of the run's resolved configuration (the parameters', if they do not load)."""
+    try:
+        return load_config(config_path, {**(preset or {}), **(overrides or {})}).hash()[:8]
+    except Exception:  # noqa: BLE001 - the flow itself reports a bad config; a name must never fail
+        raw = json.dumps([config_path, preset, overrides], sort_keys=True, default=str)
+        return hashlib.sha256(raw.encode()).hexdigest()[:8]
+
+
+def _run_name() -> str:
+    """What and when: `<deployment or cli> <UTC date time> <model> <- <data> cfg <digest>`."""
+    from prefect.runtime import deployment, flow_run
+
+    params = flow_run.parameters
+    merged = {**(params.get("preset") or {}), **(params.get("overrides") or {})}
+    model = str(merged.get("target.model_path", "embedded")).rstrip("/").split("/")[-1]
+    data = str(merged.get("data.source", "embedded")).rstrip("/").split("/")[-1]
+    digest = config_digest(params.get("config_path"), params.get("preset"), params.get("overrides"))
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    return f"{deployment.name or 'cli'} {when} {model} <- {data} cfg {digest}"
 
 
 @flow(
     name="dflash-pipeline", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True
 )
-def dflash_pipeline(config_path: str | None = None, overrides: dict[str, Any] | None = None) -> RunSummary:
-    """Run the configured stages. `overrides` are dotted keys, e.g. {"data.max_samples": 100}."""
-    cfg = load_config(config_path, overrides or {})
-    summary = stages.run_pipeline(cfg, PrefectRunner())
+def dflash_pipeline(
+    config_path: str | None = None, overrides: dict[str, Any] | None = None, preset: dict[str, Any] | None = None
+) -> RunSummary:
+    """Run the configured stages. `overrides` are dotted keys, e.g. {"data.max_samples": 100}, applied on top of
+    the deployment's fixed `preset` (its stages and store policy), which they may not contradict."""
+    from prefect.runtime import deployment
+
+    who = f"the {deployment.name} deployment" if deployment.name else "the preset"
+    cfg = load_config(config_path, compose_overrides(preset, overrides, who))
+    procs.allow_workers()
+    try:
+        summary = stages.run_pipeline(cfg, PrefectRunner())
+    except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
+        stopped = procs.stop_workers()
+        if stopped:
+            run_logger().warning("stopped extraction workers %s (%s)", stopped, type(e).__name__)
+        raise
     run_logger().info("pipeline done: %s", summary.to_dict())
     return summary
 
@@ -73,7 +131,7 @@ class PrefectRunner:
             futures = [worker.submit(spec) for spec in stages.worker_specs(cfg, report, plan)]
             results = [f.result() for f in futures]
         publish_throughput(results, plan.version_path)
-        link = plan.version_path if "://" in plan.version_path else f"file://{plan.version_path}"
+        link = plan.version_path if "://" in plan.version_path else Path(plan.version_path).absolute().as_uri()
         create_link_artifact(
             key=artifact_key("store"), link=link, description="the hidden-state store version written by this run"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
@@ -38,12 +39,32 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
 
 
+def _flow_run_cancelling(task_run) -> bool:
+    """Whether this task's flow run is being cancelled (the UI's Cancel, `prefect flow-run cancel`)."""
+    flow_run_id = getattr(task_run, "flow_run_id", None)
+    if flow_run_id is None:
+        return False
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+        return bool(state and (state.is_cancelling() or state.is_cancelled()))
+    except Exception:  # noqa: BLE001 - no API: not a cancellation we can see
+        return False
+
+
 def retry_unless_user_error(task, task_run, state) -> bool:
-    """Retry crashes and transient failures; never a validation failure or a bad-input error."""
+    """Retry crashes and transient failures; never a validation failure or a bad-input error, never a run that
+    is being stopped (a signal, or its flow run is being cancelled)."""
     try:
         state.result(raise_on_failure=True)
     except PipelineError:
         return False
-    except BaseException:  # noqa: BLE001
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+        return False
+    except BaseException as e:  # noqa: BLE001
+        if type(e).__name__ in ("TerminationSignal", "Abort", "CancelledRun") or _flow_run_cancelling(task_run):
+            return False
         return True
     return False

@@ -1,0 +1,136 @@
+"""How `dflash-pipeline run` stops, and what it leaves behind: nothing.
+
+- SIGTERM (and SIGHUP) are turned into KeyboardInterrupt, so they take the same path as Ctrl-C: the flow stops
+  its extraction workers (extraction/procs.py: SIGTERM, SIGKILL of their process groups after STOP_GRACE_S)
+  and Prefect's temporary server (a uvicorn child) is stopped by its exit handler.
+- SIGKILL runs no handler at all. Extraction workers notice their parent's death on their own
+  (extraction/worker_main.py); for everything else the run started (Prefect's temporary server above all) a
+  small guard process watches this one: it remembers this process's descendants and, when this process is
+  gone, stops those still running (SIGTERM, SIGKILL after GUARD_GRACE_S).
+- Prefect logs a user error's traceback (twice) before the CLI prints the message; without --debug those
+  records keep their message and lose the traceback.
+
+`python -m dflash_pipeline.runguard PID` is the guard; it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+GUARD_GRACE_S = 5.0
+GUARD_POLL_S = 0.5
+_guard: subprocess.Popen | None = None
+
+
+def _raise_interrupt(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+class _NoUserErrorTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        from dflash_pipeline.errors import PipelineError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, PipelineError):
+            record.exc_info, record.exc_text = None, None
+        return "Encountered exception during execution" not in record.getMessage() or exc is None
+
+
+@contextmanager
+def guarded_run(debug: bool = False):
+    """The CLI's run: signals as Ctrl-C, a guard process for SIGKILL, no traceback for user errors."""
+    global _guard
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    _guard = _guard or start_guard()  # its stdin closes when this process ends, after the exit handlers
+    flt = _NoUserErrorTraceback()
+    loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
+    if not debug:
+        for lg in loggers:
+            lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def start_guard() -> subprocess.Popen | None:
+    if not Path("/proc/self/stat").exists():  # the guard reads /proc (Linux)
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.runguard", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a terminal's Ctrl-C must not end the guard before the run
+    )
+
+
+# ---- the guard process ----------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, None for a gone one or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """pid -> start time of every live descendant of `root`."""
+    table = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d)))}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out[c] = table[c][1]
+                todo.append(c)
+    return out
+
+
+def _still(known: dict[int, int]) -> list[int]:
+    return [p for p, start in known.items() if (st := _stat(p)) and st[1] == start]
+
+
+def guard(parent: int) -> None:
+    me = os.getpid()
+    known: dict[int, int] = {}
+    while True:
+        known.update({p: s for p, s in _descendants(parent).items() if p != me})
+        known = {p: s for p, s in known.items() if p in _still({p: s})}
+        ready, _, _ = select.select([sys.stdin], [], [], GUARD_POLL_S)
+        if ready and not os.read(sys.stdin.fileno(), 1024):
+            break  # the parent closed its end or died
+        if _stat(parent) is None:
+            break
+    left = _still(known)
+    for p in left:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + GUARD_GRACE_S
+    while (left := _still({p: known[p] for p in left})) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    guard(int(sys.argv[1]))
