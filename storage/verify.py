@@ -90,7 +90,14 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     except Exception as e:  # noqa: BLE001 - a damaged zarr.json is a finding, not a crash
         return [Problem("-", "-", "zarr.json", f"version attributes unreadable: {type(e).__name__}: {e}")]
     if record is None:
-        return [Problem("-", "-", VERSION_RECORD, "version record missing: the version's attributes cannot be checked")]
+        if attrs.get("format_version") == 1:
+            what = (
+                "store format 1: written before integrity records existed, so nothing in it can be verified. "
+                "Extract it again (extract.new_version=true writes a format-2 version beside it)"
+            )
+        else:
+            what = "version record missing: the version's attributes cannot be checked"
+        return [Problem("-", "-", VERSION_RECORD, what)]
     problems = []
     for k, d in sorted(record.get("attrs", {}).items()):
         if k not in attrs:
