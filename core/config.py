@@ -45,7 +45,9 @@ class DataConfig(Section):
         "saved by `datasets`, or a HF dataset name (needs hub access).",
     )
     format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
-        "auto", description="Row schema; 'auto' detects it per row."
+        "auto",
+        description="Row schema; 'auto' decides per row from the field that holds a value (conversations, "
+        "messages or data), so unified schemas with nulls work.",
     )
     split: str = Field("train", description="Split to read from a HF dataset / DatasetDict directory.")
     max_samples: int | None = Field(None, ge=1, description="Keep only the first N usable samples (quick runs).")
@@ -54,6 +56,57 @@ class DataConfig(Section):
     min_supervised_tokens: int = Field(2, ge=1, description="Drop samples with fewer assistant tokens.")
     mask_turns: Literal["all", "last"] = Field("all", description="Supervise every assistant turn or the last.")
     rows_per_shard: int = Field(50_000, ge=1, description="Rows per Arrow file of the prepared dataset.")
+    encoding: str = Field(
+        "auto",
+        description="Text encoding of a .jsonl/.json source, e.g. 'utf-8', 'latin-1'. 'auto': a byte-order mark "
+        "decides, else UTF-8 unless no non-ASCII line is UTF-8 (then detected). Undecodable lines are quarantined.",
+    )
+    reasoning: Literal["supervise", "mask", "drop"] = Field(
+        "supervise",
+        description="Assistant reasoning (reasoning_content / reasoning fields, or an inline <think> block): "
+        "'supervise' it as the template renders it, 'mask' it (rendered, not trained on), or 'drop' it before "
+        "rendering.",
+    )
+    control_tokens: Literal["plain_text", "quarantine"] = Field(
+        "plain_text",
+        description="Special-token text written inside a message (a pasted '<|im_end|>'): 'plain_text' tokenizes "
+        "it as ordinary text, 'quarantine' rejects the row naming the token and the message. Template markup always "
+        "stays special.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        {},
+        description="Extra arguments for the chat template, e.g. {enable_thinking: false, preserve_thinking: true, "
+        "tools: [...]} (a row's own 'tools' field wins over tools given here).",
+    )
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, v: str) -> str:
+        import codecs
+
+        if v != "auto":
+            try:
+                codecs.lookup(v)
+            except LookupError:
+                raise ValueError(
+                    f"data.encoding {v!r} is not a text encoding Python knows; use 'auto', 'utf-8', 'latin-1', "
+                    "'cp1252', ..."
+                ) from None
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message"}
+        reserved |= {"return_dict", "return_assistant_tokens_mask", "chat_template", "documents"}
+        for k in v:
+            if k in reserved:
+                raise ValueError(f"data.chat_template_kwargs.{k} is set by the pipeline itself; remove it")
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"data.chat_template_kwargs must hold plain values (YAML/JSON): {e}") from None
+        return v
 
 
 class TargetConfig(Section):

@@ -1,9 +1,14 @@
 """Dataset preparation: raw chat rows -> token ids + assistant loss masks, as a `datasets` Arrow directory.
 
-Output lives in `<out_root>/<fingerprint>/` and is written atomically (temp dir + rename), so a rerun
-with the same inputs finds it and does nothing, and a crash never leaves a half-written dataset that
-looks finished. The fingerprint covers the source bytes, the chat template, the tokenizer, the
-settings and this module's version.
+Output lives in `<out_root>/<fingerprint>/` and is written atomically (temp dir + rename), so a rerun with the same
+inputs finds it and does nothing, and a crash never leaves a half-written dataset that looks finished. The
+fingerprint covers the source's content (never its path: the same data under another output_dir is the same
+dataset), the chat template, the tokenizer, the settings and this module's version.
+
+Every row read is accounted for: kept, quarantined (quarantine.jsonl, one line per row with its reason) or
+dropped by a filter, each counted by reason; read = kept + quarantined + dropped always holds. When no row is
+usable, quarantine.jsonl is still written (to `<out_root>/<fingerprint>/`, without a manifest) and the error
+names it.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.config import DataConfig
-from dflash_pipeline.dataprep.normalize import RowError, normalize_row
+from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation
 from dflash_pipeline.dataprep.render import render
-from dflash_pipeline.dataprep.sources import BadLine, iter_rows, source_fingerprint
+from dflash_pipeline.dataprep.sources import BadLine, iter_rows, resolve_encoding, source_fingerprint
 from dflash_pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
-PREPARE_VERSION = "1"
+PREPARE_VERSION = "2"
+# Token-length histogram bins of the manifest (upper bounds, inclusive).
+LENGTH_BINS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass
@@ -37,7 +44,7 @@ class PrepareResult:
     fingerprint: str
     path: str  # the datasets Arrow directory
     source: str
-    n_rows: int
+    n_rows: int  # rows read = n_samples + quarantined + sum(dropped)
     n_samples: int
     n_tokens: int
     n_supervised_tokens: int
@@ -46,9 +53,16 @@ class PrepareResult:
     quarantined: int = 0
     quarantine_path: str = ""
     reused: bool = False
+    quarantined_by_reason: dict[str, int] = field(default_factory=dict)
+    length_histogram: dict[str, int] = field(default_factory=dict)  # "<=N" -> samples
+    encoding: str = ""  # the codec a text source was read with
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+    @property
+    def supervised_share(self) -> float:
+        return self.n_supervised_tokens / self.n_tokens if self.n_tokens else 0.0
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -68,7 +82,8 @@ def fingerprint(cfg: DataConfig, source: str, tokenizer) -> str:
         "source": source_fingerprint(source, cfg.split),
         "template": template_fingerprint(tokenizer),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "settings": cfg.model_dump(mode="json"),
+        # The source's location is not part of the dataset's identity (its content is, above).
+        "settings": cfg.model_dump(mode="json", exclude={"source"}),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -78,6 +93,20 @@ def sample_id(ids: list[int], mask: list[int]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([ids, mask]).encode())
     return h.hexdigest()[:20]
+
+
+def length_histogram(lengths: list[int]) -> dict[str, int]:
+    hist = Counter()
+    for n in lengths:
+        hist[next((f"<={b}" for b in LENGTH_BINS if n <= b), f">{LENGTH_BINS[-1]}")] += 1
+    order = [f"<={b}" for b in LENGTH_BINS] + [f">{LENGTH_BINS[-1]}"]
+    return {k: hist[k] for k in order if hist[k]}
+
+
+def _write_quarantine(path: Path, quarantine: list[dict]) -> None:
+    with open(path, "w") as f:
+        for q in quarantine:
+            f.write(json.dumps(q, ensure_ascii=False) + "\n")
 
 
 def prepare_dataset(
@@ -99,23 +128,28 @@ def prepare_dataset(
 
     import datasets
 
+    encoding = resolve_encoding(source, cfg.encoding)
+    options = {
+        "reasoning": cfg.reasoning,
+        "control_tokens": cfg.control_tokens,
+        "template_kwargs": cfg.chat_template_kwargs,
+    }
     quarantine: list[dict] = []
     dropped: Counter[str] = Counter()
     seen: set[str] = set()
     cols: dict[str, list] = {"sample_id": [], "input_ids": [], "loss_mask": [], "seq_len": [], "source_row": []}
     n_rows, t0 = 0, time.monotonic()
-    for row_no, row in iter_rows(source, cfg.split):
+    for row_no, row in iter_rows(source, cfg.split, encoding or cfg.encoding):
         n_rows += 1
         if progress and n_rows % 500 == 0:
             progress(n_rows, n_rows / max(time.monotonic() - t0, 1e-9))
-        if cfg.max_samples is not None and len(cols["sample_id"]) >= cfg.max_samples:
-            break
         try:
             if isinstance(row, BadLine):
-                raise RowError(row.error)
-            r = render(tokenizer, normalize_row(row, cfg.format), cfg.mask_turns)
+                raise RowError(row.error, row.kind)
+            conv = normalize_conversation(row, cfg.format, cfg.reasoning)
+            r = render(tokenizer, conv, cfg.mask_turns, **options)
         except RowError as e:
-            quarantine.append({"row": row_no, "reason": e.reason})
+            quarantine.append({"row": row_no, "kind": e.kind, "reason": e.reason})
             continue
         ids, mask = r.input_ids, r.loss_mask
         if len(ids) > cfg.max_length:
@@ -139,13 +173,23 @@ def prepare_dataset(
             ("source_row", row_no),
         ):
             cols[k].append(v)
+        if cfg.max_samples is not None and len(cols["sample_id"]) >= cfg.max_samples:
+            break  # stop before reading another row, so every row read is accounted for
 
     n = len(cols["sample_id"])
+    by_reason = dict(Counter(q["kind"] for q in quarantine).most_common())
+    assert n_rows == n + len(quarantine) + sum(dropped.values())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():  # an earlier attempt that failed (no manifest): replaced, never mixed in
+        shutil.rmtree(final)
     if n == 0:
-        reasons = Counter(q["reason"].split(":")[0] for q in quarantine)
+        final.mkdir()
+        _write_quarantine(final / "quarantine.jsonl", quarantine)
+        examples = "; ".join(f"row {q['row']}: {q['reason']}" for q in quarantine[:3])
         raise DataError(
             f"no usable samples in {source}: {n_rows} rows read, {len(quarantine)} quarantined "
-            f"(top reasons: {reasons.most_common(3)}), dropped {dict(dropped)}. Check data.format, "
+            f"(by reason: {by_reason}), dropped {dict(dropped)}. First reasons: {examples or 'none'}. "
+            f"All reasons are in {final / 'quarantine.jsonl'}. Check data.format, data.encoding, "
             "data.max_length and the quarantine report"
         )
 
@@ -160,13 +204,10 @@ def prepare_dataset(
     )
     ds = datasets.Dataset.from_dict(cols, features=features)
     num_shards = max(1, -(-n // cfg.rows_per_shard))
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{fp}-", dir=final.parent))
     try:
         ds.save_to_disk(str(tmp / "dataset"), num_shards=num_shards)
-        with open(tmp / "quarantine.jsonl", "w") as f:
-            for q in quarantine:
-                f.write(json.dumps(q) + "\n")
+        _write_quarantine(tmp / "quarantine.jsonl", quarantine)
         res = PrepareResult(
             fingerprint=fp,
             path=str(final / "dataset"),
@@ -179,17 +220,22 @@ def prepare_dataset(
             dropped=dict(dropped),
             quarantined=len(quarantine),
             quarantine_path=str(final / "quarantine.jsonl"),
+            quarantined_by_reason=by_reason,
+            length_histogram=length_histogram(cols["seq_len"]),
+            encoding=encoding,
         )
         (tmp / "manifest.json").write_text(res.to_json())  # written last: its presence means "complete"
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
-        "prepared %d samples (%d tokens) from %d rows; %d quarantined; dropped %s -> %s",
+        "prepared %d samples (%d tokens, %.1f%% supervised) from %d rows; %d quarantined %s; dropped %s -> %s",
         n,
         res.n_tokens,
+        100 * res.supervised_share,
         n_rows,
         len(quarantine),
+        by_reason,
         dict(dropped),
         final,
     )

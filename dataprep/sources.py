@@ -1,12 +1,18 @@
-"""Read raw rows from a local file, a `datasets` directory, or a HF dataset name.
+"""Read raw rows from a local file (.jsonl, .json, .parquet, .arrow), a `datasets` directory, or a HF dataset name.
 
-Rows come out as (row_number, row) where row_number is 1-based for line-oriented files (it matches an
-editor's line number) and 0-based otherwise. A JSONL line that is not JSON comes out as a BadLine so
-the caller can quarantine it instead of aborting the whole run.
+Rows come out as (row_number, row) where row_number is 1-based for line-oriented files (it matches an editor's line
+number) and 0-based otherwise. A line that is not JSON, or whose bytes do not decode, comes out as a BadLine so the
+caller can quarantine it instead of aborting the whole run. A file that cannot be read at all (a corrupt Parquet
+footer, a .json file that is not JSON) raises one DataError naming the file and the position.
+
+Text encoding: a byte-order mark always wins (UTF-8, UTF-16, UTF-32); otherwise data.encoding, where 'auto' means
+UTF-8 unless no line of the file with non-ASCII bytes is valid UTF-8, in which case the file is in a legacy
+encoding and charset-normalizer names it.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from collections.abc import Iterator
@@ -16,10 +22,21 @@ from typing import Any
 
 from dflash_pipeline.errors import DataError
 
+LINE_SUFFIXES = (".jsonl", ".ndjson")
+FILE_SUFFIXES = (*LINE_SUFFIXES, ".json", ".parquet", ".arrow")
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+
 
 @dataclass(frozen=True)
 class BadLine:
     error: str
+    kind: str = "invalid JSON"
 
 
 def _sha256_file(path: Path, h=None):
@@ -31,7 +48,8 @@ def _sha256_file(path: Path, h=None):
 
 
 def source_fingerprint(source: str, split: str) -> str:
-    """Content hash of a local source; name + split + datasets fingerprint for a hub dataset."""
+    """Content hash of a local source (its bytes, not its path); name + split + datasets fingerprint for a hub
+    dataset."""
     p = Path(source)
     if p.is_file():
         return _sha256_file(p).hexdigest()
@@ -61,46 +79,65 @@ def _load_hub(name: str, split: str):
 
 def _check_not_missing_path(source: str) -> None:
     """A path-looking source that does not exist is a typo, not a hub dataset name."""
-    if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
+    if source.startswith((".", "/", "~")) or source.endswith(FILE_SUFFIXES):
         raise DataError(f"data.source {source} does not exist (no such file or directory)")
 
 
-def _from_dataset(ds) -> Iterator[tuple[int, Any]]:
-    yield from enumerate(ds)
+def resolve_encoding(path: str | Path, encoding: str = "auto") -> str:
+    """The codec to read a text source with (see the module docstring); "" for sources that are not text."""
+    p = Path(path)
+    if not p.is_file() or p.suffix.lower() not in (*LINE_SUFFIXES, ".json"):
+        return ""
+    with open(p, "rb") as f:
+        head = f.read(4)
+    for bom, codec in _BOMS:
+        if head.startswith(bom):
+            return codec
+    if encoding != "auto":
+        return encoding
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    try:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                dec.decode(block)
+            dec.decode(b"", final=True)
+        return "utf-8"
+    except UnicodeDecodeError:
+        pass
+    bad, good_non_ascii = [], 0
+    with open(p, "rb") as f:
+        for line in f:
+            if line.isascii():
+                continue
+            try:
+                line.decode("utf-8")
+                good_non_ascii += 1
+            except UnicodeDecodeError:
+                if len(bad) < 2000:
+                    bad.append(line)
+    if good_non_ascii:  # a UTF-8 file with some broken lines: those lines are quarantined
+        return "utf-8"
+    from charset_normalizer import from_bytes
+
+    best = from_bytes(b"".join(bad)).best()
+    return best.encoding if best is not None else "cp1252"
 
 
-def iter_rows(source: str, split: str = "train") -> Iterator[tuple[int, Any | BadLine]]:
+def iter_rows(source: str, split: str = "train", encoding: str = "auto") -> Iterator[tuple[int, Any | BadLine]]:
     p = Path(source)
     if p.is_file():
         suffix = p.suffix.lower()
-        if suffix in (".jsonl", ".ndjson"):
-            with open(p, encoding="utf-8", errors="replace") as f:
-                for n, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield n, json.loads(line)
-                    except json.JSONDecodeError as e:
-                        yield n, BadLine(f"invalid JSON: {e.msg} at column {e.colno}")
-            return
-        if suffix == ".json":
-            try:
-                data = json.loads(p.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{p} is not valid JSON ({e.msg}, line {e.lineno}); a .json source must "
-                    "hold a list of conversations (use .jsonl for one per line)"
-                ) from e
-            if not isinstance(data, list):
-                raise DataError(f"{p} holds a {type(data).__name__}; a .json source must hold a list of rows")
-            yield from enumerate(data)
-            return
-        if suffix == ".parquet":
-            import datasets
-
-            yield from _from_dataset(datasets.Dataset.from_parquet(str(p)))
-            return
-        raise DataError(f"data.source {p} has unsupported suffix {suffix!r}: use .jsonl, .json or .parquet")
+        if suffix in LINE_SUFFIXES:
+            yield from _jsonl(p, resolve_encoding(p, encoding))
+        elif suffix == ".json":
+            yield from _json(p, resolve_encoding(p, encoding))
+        elif suffix == ".parquet":
+            yield from _parquet(p)
+        elif suffix == ".arrow":
+            yield from _arrow(p)
+        else:
+            raise DataError(f"data.source {p} has unsupported suffix {suffix!r}: use .jsonl, .json, .parquet or .arrow")
+        return
     if p.is_dir():
         import datasets
 
@@ -112,7 +149,148 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[int, Any | Ba
             if split not in ds:
                 raise DataError(f"data.split {split!r} is not in {p} (splits: {list(ds)})")
             ds = ds[split]
-        yield from _from_dataset(ds)
+        yield from _dataset(ds, str(p))
         return
     _check_not_missing_path(source)
-    yield from _from_dataset(_load_hub(source, split))
+    yield from _dataset(_load_hub(source, split), source)
+
+
+def _json_error(e: json.JSONDecodeError, line_no: int | None = None) -> str:
+    line = line_no if line_no is not None else e.lineno
+    return f"invalid JSON: {e.msg} at line {line}, column {e.colno} (character {e.pos} of the line)"
+
+
+def _jsonl(p: Path, codec: str) -> Iterator[tuple[int, Any | BadLine]]:
+    if codec.replace("_", "-").lower() in ("utf-16", "utf-32"):  # multi-byte newlines: decode as a whole
+        yield from _json_lines(_decode_whole(p, codec).splitlines())
+        return
+    line_codec = "utf-8" if codec == "utf-8-sig" else codec
+    offset = 0
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode(line_codec)
+            except UnicodeDecodeError as e:
+                yield (
+                    n,
+                    BadLine(
+                        f"bytes {raw[e.start : e.start + 4]!r} at byte offset {start + e.start} of the file (line {n}) "
+                        f"are not valid {line_codec}; set data.encoding if the file is in another encoding",
+                        "undecodable bytes",
+                    ),
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, BadLine(_json_error(e, n))
+
+
+def _json_lines(lines: list[str]) -> Iterator[tuple[int, Any | BadLine]]:
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            yield n, BadLine(_json_error(e, n))
+
+
+def _decode_whole(p: Path, codec: str) -> str:
+    data = p.read_bytes()
+    try:
+        return data.decode(codec)
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{p}: bytes {data[e.start : e.start + 4]!r} at byte offset {e.start} (line {line}) are not valid "
+            f"{codec}; set data.encoding to the file's encoding"
+        ) from None
+
+
+def _json(p: Path, codec: str) -> Iterator[tuple[int, Any | BadLine]]:
+    text = _decode_whole(p, codec)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and text.lstrip().startswith("{"):  # JSON Lines saved as .json
+            yield from _json_lines(text.splitlines())
+            return
+        raise DataError(
+            f"{p} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} (character {e.pos}); a .json "
+            "source must hold a list of conversations (use .jsonl for one per line)"
+        ) from None
+    if not isinstance(data, list):
+        raise DataError(f"{p} holds a {type(data).__name__}; a .json source must hold a list of rows")
+    yield from enumerate(data)
+
+
+def _parquet(p: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(str(p))
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+        raise DataError(f"{p} is not a readable Parquet file (footer / metadata: {e})") from None
+    row = 0
+    for rg in range(pf.num_row_groups):
+        n = pf.metadata.row_group(rg).num_rows
+        try:
+            rows = pf.read_row_group(rg).to_pylist()
+        except Exception as e:  # noqa: BLE001
+            raise DataError(
+                f"{p}: Parquet row group {rg} (rows {row}-{row + n - 1}) cannot be read ({type(e).__name__}: {e}); "
+                "the file is damaged: re-export it"
+            ) from None
+        for i, r in enumerate(rows):
+            yield row + i, r
+        row += n
+
+
+def _arrow(p: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(str(p))
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            source.seek(0)
+            batches = iter(pa.ipc.open_stream(source))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{p} is not a readable Arrow IPC file or stream ({e})") from None
+    row, b = 0, 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001
+            raise DataError(
+                f"{p}: Arrow record batch {b} (from row {row}) cannot be read ({type(e).__name__}: {e}); "
+                "the file is damaged: re-export it"
+            ) from None
+        for i, r in enumerate(batch.to_pylist()):
+            yield row + i, r
+        row, b = row + batch.num_rows, b + 1
+
+
+def _dataset(ds, name: str) -> Iterator[tuple[int, Any]]:
+    n = len(ds)
+    for start in range(0, n, 1000):
+        try:
+            rows = ds[start : min(start + 1000, n)]
+        except Exception as e:  # noqa: BLE001 - damaged Arrow files surface here
+            raise DataError(
+                f"{name}: rows {start}-{min(start + 1000, n) - 1} cannot be read ({type(e).__name__}: {e}); "
+                "the dataset's files are damaged: save it again"
+            ) from None
+        keys = list(rows)
+        for i in range(len(rows[keys[0]]) if keys else 0):
+            yield start + i, {k: rows[k][i] for k in keys}

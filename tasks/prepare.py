@@ -26,21 +26,38 @@ def prepare_task(cfg: RunConfig, report: ProbeReport) -> PrepareResult:
             f"(first 1000 shown; all in {res.quarantine_path})",
         )
         log.warning("%d rows quarantined; see %s", len(quarantine), res.quarantine_path)
-    dropped = "\n".join(f"| dropped: {k} | {v} |" for k, v in res.dropped.items())
     create_markdown_artifact(
-        key=artifact_key("prepared-dataset"),
-        description="prepared dataset",
-        markdown=f"""
+        key=artifact_key("prepared-dataset"), description="prepared dataset", markdown=summary_markdown(res)
+    )
+    return res
+
+
+def summary_markdown(res: PrepareResult) -> str:
+    """The prepare stage's summary: where every row went (by reason), the token-length histogram and the share
+    of supervised tokens."""
+    rows = [
+        ("source", f"`{res.source}`" + (f" ({res.encoding})" if res.encoding else "")),
+        ("output", f"`{res.path}`"),
+        ("rows read", res.n_rows),
+        ("kept (samples)", res.n_samples),
+        ("quarantined", res.quarantined),
+        *((f"quarantined: {k}", v) for k, v in res.quarantined_by_reason.items()),
+        ("dropped", sum(res.dropped.values())),
+        *((f"dropped: {k}", v) for k, v in res.dropped.items()),
+        ("tokens", res.n_tokens),
+        ("supervised tokens", f"{res.n_supervised_tokens} ({100 * res.supervised_share:.1f}%)"),
+    ]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    most = max(res.length_histogram.values(), default=1)
+    hist = "\n".join(f"| {k} | {v} | {'#' * max(1, round(30 * v / most))} |" for k, v in res.length_histogram.items())
+    return f"""
 # Prepared dataset {res.fingerprint}{" (reused)" if res.reused else ""}
 | item | value |
 | --- | --- |
-| source | `{res.source}` |
-| output | `{res.path}` |
-| rows read | {res.n_rows} |
-| samples | {res.n_samples} |
-| tokens / supervised | {res.n_tokens} / {res.n_supervised_tokens} |
-| quarantined | {res.quarantined} |
-{dropped}
-""",
-    )
-    return res
+{table}
+
+## Token length (samples per bin)
+| tokens | samples | |
+| --- | --- | --- |
+{hist}
+"""
