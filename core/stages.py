@@ -28,7 +28,7 @@ from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
 from dflash_pipeline.errors import ConfigError, PipelineError
 from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
-from dflash_pipeline.extraction.plan import assign_units, plan_extraction, store_dtype
+from dflash_pipeline.extraction.plan import assign_units, pin_token_budget, plan_extraction, store_dtype
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.probe import probe as probe_target
 from dflash_pipeline.extraction.spec import WorkerSpec
@@ -116,6 +116,7 @@ def plan(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanRe
 def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices: list[str] | None = None):
     """One WorkerSpec per device (or split replica), pending units balanced by tokens."""
     devices = devices or report.replicas
+    report = pin_token_budget(Store(cfg.store, cfg.store_options), plan.version, report)  # bit-identical resume
     n_cpu = sum(d.startswith("cpu") for d in devices)
     threads = max(1, (os.cpu_count() or 1) // max(n_cpu, 1))
     return [

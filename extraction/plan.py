@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import heapq
 import importlib.metadata as md
+import json
+import logging
+from dataclasses import replace
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
@@ -12,6 +15,8 @@ from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerpri
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
 from dflash_pipeline.storage.store import PlanResult, Store, UnitInfo
+
+log = logging.getLogger(__name__)
 
 
 def store_dtype(cfg: RunConfig, report: ProbeReport) -> str:
@@ -73,6 +78,31 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
         "dflash_pipeline_git": _git_revision(),
         "run_config": cfg.dump(),
     }
+
+
+BATCHING_RECORD = "batching.json"
+
+
+def pin_token_budget(store: Store, version: str, report: ProbeReport) -> ProbeReport:
+    """The report with the token budget this store version was first extracted with.
+
+    With extract.token_budget=auto the probe sizes batches from free GPU memory, which differs between runs;
+    a resumed run that batched differently would store states that are not bit-identical to an uninterrupted
+    run's (another batch composition runs other kernels). The first run records its budget in the version;
+    every later run of that version reuses it."""
+    key = f"{version}/{BATCHING_RECORD}"
+    if not store.loc.exists(key):
+        store.loc.write_atomic(key, json.dumps({"token_budget": report.token_budget}).encode())
+        return report
+    budget = int(json.loads(store.loc.read_bytes(key))["token_budget"])
+    if budget != report.token_budget:
+        log.info(
+            "%s was extracted with %d tokens per batch; using that again (this run's probe planned %d)",
+            version,
+            budget,
+            report.token_budget,
+        )
+    return replace(report, token_budget=budget)
 
 
 def plan_extraction(

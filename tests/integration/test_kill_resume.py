@@ -9,9 +9,14 @@ from dflash_pipeline.storage.store import Store
 from tests.helpers import KILL_OVERRIDES, assert_same_store, forward_passes, run_extract_proc, snapshot
 
 
-@pytest.mark.parametrize("kill_at", ["forward:3", "after_shard_write:3", "during_commit:2"])
-def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kill_at):
-    """(With writer processes, a GPU worker's default: tests/test_object_store.py.)"""
+@pytest.mark.parametrize(
+    ("kill_at", "resume_budget"),
+    [("forward:3", None), ("after_shard_write:3", None), ("during_commit:2", None), ("after_shard_write:2", 700)],
+)
+def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kill_at, resume_budget):
+    """(With writer processes, a GPU worker's default: tests/test_object_store.py.) A resume whose probe plans
+    another batch size (extract.token_budget=auto on a GPU with other free memory) batches as the first run did:
+    the version recorded its token budget."""
     clean = clean_extraction
     assert clean.plan.n_units >= 2
     killed = run_extract_proc(tmp_path, KILL_OVERRIDES, kill_at)
@@ -22,7 +27,9 @@ def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kil
     if kill_at == "during_commit:2":  # the temp file of the interrupted commit is still there
         assert list((tmp_path / "store").rglob("*.partial"))
 
-    resumed = run_extract_proc(tmp_path, KILL_OVERRIDES)
+    resumed = run_extract_proc(
+        tmp_path, {**KILL_OVERRIDES, **({"extract.token_budget": resume_budget} if resume_budget else {})}
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     if not kill_at.startswith("forward"):  # shards had been committed: resumed from there, not restarted
         assert committed_before > 0 and forward_passes(resumed) < clean.result.forward_passes
