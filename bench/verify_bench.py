@@ -144,6 +144,8 @@ def main() -> None:
         t1 = time.perf_counter()
         for u in store.units(version):
             ds._check_files(u)
+            if mode == "digests":  # every shard, as one pass over all samples touches them
+                ds._check_shards(u, 0, store.unit_attrs(version, u)["n_tokens"])
         checks[mode] = {"construct_s": t1 - t0, "file_checks_s": time.perf_counter() - t1}
     res["reader"] = {
         "samples": n,

@@ -9,7 +9,8 @@ version's attributes against the version record, every unit's attributes against
 commit record (present, complete), and raises StoreError naming the unit, array and file on a mismatch. When
 a unit's arrays are first opened (in each process) every file its commit record lists is checked for
 presence and size (a missing zarr shard would otherwise read back as zeros); with `verify="digests"` also
-for content (each file read once more, at first open). storage/verify.py holds the checks.
+for content: the unit's small files at first open, each shard the first time a sample in it is read (in each
+process; every byte is then read once more, once). storage/verify.py holds the checks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest
-from dflash_pipeline.storage.layout import from_storage
+from dflash_pipeline.storage.layout import SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
 
@@ -33,6 +34,12 @@ class SampleRef:
     unit: str
     start: int
     length: int
+
+
+def _shard_of(f: str) -> int | None:
+    """The shard index of a committed shard file (hidden/c/<i>/0/0, last_hidden/c/<i>/0), else None."""
+    head, sep, rest = f.partition("/c/")
+    return int(rest.split("/", 1)[0]) if sep and head in SHARDED_ARRAYS else None
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -50,9 +57,10 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
         `verify`: "sizes" (every committed file of a unit present with its committed size, checked when the
-        unit is first opened; costs a directory listing per unit and process) or "digests" (also its
-        content: each file is read once more at first open). `partial`: read the committed samples of units
-        not yet complete (a version being extracted); by default every planned unit must be complete."""
+        unit is first opened; costs a directory listing per unit and process) or "digests" (also their
+        content: each shard is read once more the first time a sample in it is read). `partial`: read the
+        committed samples of units not yet complete (a version being extracted); by default every planned unit
+        must be complete."""
         if verify not in ("sizes", "digests"):
             raise ValueError(f"verify={verify!r}: use 'sizes' or 'digests'")
         self.store = Store(store_root, store_options)
@@ -67,6 +75,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.layer_ids: list[int] = self.attrs["layer_ids"]
         self.samples: list[SampleRef] = []
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
+        self._shard_tokens: dict[str, int] = {}
+        self._verified: set[tuple[str, str]] = set()  # (unit, shard file) whose digest this process checked
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
         for unit in units:
             problems = self._check_meta(unit)
@@ -74,7 +84,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             rec = self.store.commit_record(self.version, unit)
             self._files[unit] = rec.get("files") or {}
             committed = rec["committed_tokens"]
-            for sid, start, length in self.store.unit_attrs(self.version, unit)["samples"]:
+            ua = self.store.unit_attrs(self.version, unit)
+            self._shard_tokens[unit] = ua["shard_tokens"]
+            for sid, start, length in ua["samples"]:
                 if start + length <= committed:  # readers see committed samples only
                     self.samples.append(SampleRef(sid, unit, start, length))
         self._by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
@@ -98,25 +110,46 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             )
 
     def _check_files(self, unit: str) -> None:
-        """Every file the unit's commit record lists: present with its committed size (and content)."""
+        """Every file the unit's commit record lists: present with its committed size; with "digests" the
+        content of its small files now (ids, mask, metadata), of each shard when a sample first touches it."""
         rel = f"{self.version}/units/{unit}"
         listing = self.store.loc.list_files(rel)
         problems = []
         for f, want in sorted(self._files[unit].items()):
             if want is None:
                 continue
-            where = f"units/{unit}/{f}"
             array = f.split("/", 1)[0] if "/" in f else "-"
             size = listing.get(f)
             if size is None:
-                problems.append(Problem(unit, array, where, f"missing (committed with {want['size']} bytes)"))
+                problems.append(
+                    Problem(unit, array, f"units/{unit}/{f}", f"missing (committed with {want['size']} bytes)")
+                )
             elif size != want["size"]:
-                problems.append(Problem(unit, array, where, f"{size} bytes, committed with {want['size']}"))
-            elif self.verify == "digests":
-                got = (self.store.loc.digest_of(f"{rel}/{f}") or {}).get(digest.ALGORITHM)
-                if got != want.get(digest.ALGORITHM):
-                    problems.append(Problem(unit, array, where, "content differs from the commit record's digest"))
+                problems.append(
+                    Problem(unit, array, f"units/{unit}/{f}", f"{size} bytes, committed with {want['size']}")
+                )
+            elif self.verify == "digests" and not _shard_of(f):
+                self._check_digest(unit, f, want)
         self._raise_on(problems)
+
+    def _check_digest(self, unit: str, f: str, want: dict) -> None:
+        got = (self.store.loc.digest_of(f"{self.version}/units/{unit}/{f}") or {}).get(digest.ALGORITHM)
+        if got != want.get(digest.ALGORITHM):
+            array = f.split("/", 1)[0] if "/" in f else "-"
+            self._raise_on(
+                [Problem(unit, array, f"units/{unit}/{f}", "content differs from the commit record's digest")]
+            )
+
+    def _check_shards(self, unit: str, start: int, end: int) -> None:
+        """ "digests" mode: the shards holding tokens [start, end) of the unit, each once per process."""
+        shard = self._shard_tokens[unit]
+        for f, want in self._files[unit].items():
+            idx = _shard_of(f)
+            if want is None or idx is None or not (start // shard <= idx <= (end - 1) // shard):
+                continue
+            if (unit, f) not in self._verified:
+                self._check_digest(unit, f, want)
+                self._verified.add((unit, f))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -126,7 +159,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _unit_arrays(self, unit: str) -> dict:
         if self._pid != os.getpid():  # new process (DataLoader worker): drop inherited handles
-            self._arrays, self._pid = {}, os.getpid()
+            self._arrays, self._pid, self._verified = {}, os.getpid(), set()
         if unit not in self._arrays:
             self._check_files(unit)
             g = self.store.open_unit(self.version, unit)
@@ -136,6 +169,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         ref = self.samples[i]
         a = self._unit_arrays(ref.unit)
+        if self.verify == "digests":
+            self._check_shards(ref.unit, ref.start, ref.start + ref.length)
         sl = slice(ref.start, ref.start + ref.length)
         item = {
             "sample_id": ref.sample_id,

@@ -73,3 +73,28 @@ def test_store_reads_with_plain_zarr_as_documented(small_store):
             assert np.array_equal(h, ds[ds.index_of(sid)]["hidden"].numpy())
             n += 1
     assert n == len(ds) == 60
+
+
+def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_path):
+    """verify="digests" reads a shard's digest when a sample first touches it: samples in intact shards read,
+    the first sample in the altered shard raises naming it; the default mode (sizes) does not read content."""
+    root = tmp_path / "store"
+    shutil.copytree(clean_extraction.store, root)
+    version = clean_extraction.plan.version
+    store = Store(root)
+    u = store.units(version)[0]
+    shard_tokens = store.unit_attrs(version, u)["shard_tokens"]
+    shard = root / version / "units" / u / "hidden" / "c" / "1" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    ds = HiddenStateDataset(root, version, verify="digests")
+    mine = [i for i, s in enumerate(ds.samples) if s.unit == u]
+    in_first = [i for i in mine if ds.samples[i].start + ds.samples[i].length <= shard_tokens]
+    in_second = [i for i in mine if ds.samples[i].start >= shard_tokens]
+    assert in_first and in_second
+    for i in in_first:
+        ds[i]
+    with pytest.raises(StoreError, match=f"units/{u}/hidden/c/1/0/0: content differs"):
+        ds[in_second[0]]
+    assert len(HiddenStateDataset(root, version)) == 40  # sizes mode: same size, not noticed here
