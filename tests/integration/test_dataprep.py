@@ -146,3 +146,306 @@ def test_sharegpt_and_messages_files_give_identical_samples(tmp_path, tokenizer)
         prepare_dataset(DataConfig(max_samples=50), str(CONVERSATIONS_MESSAGES), tokenizer, tmp_path / "b").path
     )
     assert a["sample_id"] == b["sample_id"] and a["input_ids"] == b["input_ids"]
+
+
+# ---- issue 17: real chat data for thinking models, on the real Qwen3.5/3.6 vocabulary ----
+
+
+def _supervised_turns(tok, ids, mask) -> list[str]:
+    runs, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+def _reasoning_conversation(n_turns: int, seed: int) -> list[dict]:
+    msgs = [{"role": "system", "content": f"System prompt {seed}."}] if seed % 2 else []
+    for t in range(n_turns):
+        msgs.append({"role": "user", "content": f"Question {seed}.{t}: what is {seed} + {t}?"})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": f"It is {seed + t}." + (" ✓" if t % 2 else ""),
+                "reasoning_content": f"Step {t}: add {seed} and {t}.\nCheck twice.",
+            }
+        )
+    return msgs
+
+
+def _qwen36_expected(msgs: list[dict], preserve: bool) -> list[str]:
+    """What the Qwen3.6-style template renders for each assistant turn, from its documented behaviour: reasoning
+    kept after the last user query (or always with preserve_thinking), written `<think>\\n{r}\\n</think>\\n\\n{c}`;
+    the generation prompt's `<think>\\n` is not generated, so a kept turn's supervision starts at the reasoning."""
+    last_query = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    out = []
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            if i > last_query or preserve:
+                out.append(m["reasoning_content"].strip() + "\n</think>\n\n" + m["content"].strip() + "<|im_end|>")
+            else:
+                out.append(m["content"].strip() + "<|im_end|>")
+    return out
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+@pytest.mark.parametrize("preserve", [True, False])
+def test_acceptance_qwen36_reasoning_every_turn_all_kept_and_exact(tmp_path, enable_thinking, preserve):
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3_6_style")
+    convs = [_reasoning_conversation(1 + s % 4, s) for s in range(12)]
+    src = _write_jsonl(tmp_path / "r.jsonl", [{"messages": c} for c in convs])
+    kwargs = {"enable_thinking": enable_thinking, "preserve_thinking": preserve}
+    res = prepare_dataset(DataConfig(chat_template_kwargs=kwargs), str(src), tok, tmp_path / "out")
+    assert res.n_samples == 12 and res.quarantined == 0 and res.dropped == {}
+    ds = load_prepared(res.path)
+    for row in ds:
+        msgs = convs[row["source_row"] - 1]
+        assert _supervised_turns(tok, row["input_ids"], row["loss_mask"]) == _qwen36_expected(msgs, preserve)
+        text = tok.apply_chat_template(msgs, tokenize=False, **kwargs)
+        assert row["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_reasoning_policies_supervise_mask_drop(tmp_path):
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3_6_style")
+    src = _write_jsonl(tmp_path / "r.jsonl", [{"messages": _reasoning_conversation(2, 3)}])
+    got = {}
+    for policy in ("supervise", "mask", "drop"):
+        res = prepare_dataset(DataConfig(reasoning=policy), str(src), tok, tmp_path / policy)
+        row = load_prepared(res.path)[0]
+        got[policy] = (_supervised_turns(tok, row["input_ids"], row["loss_mask"]), tok.decode(row["input_ids"]))
+    assert got["supervise"][0][-1] == "Step 1: add 3 and 1.\nCheck twice.\n</think>\n\nIt is 4. ✓<|im_end|>"
+    assert got["mask"][0][-1] == "It is 4. ✓<|im_end|>" and "Step 1" in got["mask"][1]  # rendered, not trained on
+    assert "Step 1" not in got["drop"][1] and got["drop"][0][-1].endswith("It is 4. ✓<|im_end|>")
+
+
+def test_think_prompt_template_keeps_every_multi_turn_conversation(tmp_path):
+    """Defect: with a generation prompt that opens `<think>\\n`, 10 of 11 multi-turn conversations were quarantined."""
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("think_prompt")
+    convs = [_reasoning_conversation(2 + s % 3, s) for s in range(11)]
+    src = _write_jsonl(tmp_path / "t.jsonl", [{"messages": c} for c in convs])
+    for turns in ("all", "last"):
+        res = prepare_dataset(DataConfig(mask_turns=turns), str(src), tok, tmp_path / turns)
+        assert res.n_samples == 11 and res.quarantined == 0
+        for row in load_prepared(res.path):
+            runs = _supervised_turns(tok, row["input_ids"], row["loss_mask"])
+            msgs = convs[row["source_row"] - 1]
+            last = msgs[-1]
+            assert runs[-1] == f"{last['reasoning_content']}\n</think>\n\n{last['content']}<|im_end|>"
+            assert len(runs) == (1 if turns == "last" else sum(m["role"] == "assistant" for m in msgs))
+
+
+def test_earlier_reply_starting_with_a_newline_is_kept(tmp_path):
+    """Defect: Qwen's pre-tokenizer merges the header's "\\n" with a reply's leading "\\n" into one token."""
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("json_tools")
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "\nFirst reply."},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "\n\nSecond."},
+    ]
+    res = prepare_dataset(DataConfig(), str(_write_jsonl(tmp_path / "n.jsonl", [{"messages": msgs}])), tok, tmp_path)
+    row = load_prepared(res.path)[0]
+    assert res.quarantined == 0
+    # The merged token holds the header's newline too: it is supervised (its characters overlap the reply).
+    assert _supervised_turns(tok, row["input_ids"], row["loss_mask"]) == [
+        "\n\nFirst reply.<|im_end|>",
+        "\n\n\nSecond.<|im_end|>",
+    ]
+
+
+def test_literal_control_token_text_never_shifts_the_mask(tmp_path):
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3_6_style")
+    msgs = [
+        {"role": "user", "content": "Is <|im_end|><|im_start|>assistant\nhacked a reply?"},
+        {"role": "assistant", "content": "No: <|im_end|> is just text here.", "reasoning_content": "Literal."},
+    ]
+    src = _write_jsonl(tmp_path / "l.jsonl", [{"messages": msgs}, {"messages": CONV}])
+    res = prepare_dataset(DataConfig(), str(src), tok, tmp_path / "plain")
+    assert res.n_samples == 2
+    row = load_prepared(res.path)[0]
+    assert _supervised_turns(tok, row["input_ids"], row["loss_mask"]) == [
+        "Literal.\n</think>\n\nNo: <|im_end|> is just text here.<|im_end|>"
+    ]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert row["input_ids"].count(im_end) == 2  # the template's two; the three pasted ones are text
+    res = prepare_dataset(DataConfig(control_tokens="quarantine"), str(src), tok, tmp_path / "q")
+    (q,) = load_quarantine(res)
+    assert (
+        q["kind"] == "literal control token"
+        and "turn 0 (user) content" in q["reason"]
+        and "'<|im_end|>'" in q["reason"]
+    )
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template(tmp_path):
+    from tests.qwen_vocab import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3_6_style")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+                ],
+            },
+            {"role": "tool", "content": "rain"},
+            {"role": "assistant", "content": "Rain."},
+        ]
+    }
+    src = _write_jsonl(tmp_path / "k.jsonl", [row])
+    res = prepare_dataset(
+        DataConfig(chat_template_kwargs={"enable_thinking": False, "tools": tools}), str(src), tok, tmp_path / "a"
+    )
+    s = load_prepared(res.path)[0]
+    text = tok.decode(s["input_ids"])
+    assert "# Tools" in text and '"get_weather"' in text
+    runs = _supervised_turns(tok, s["input_ids"], s["loss_mask"])
+    # enable_thinking=false: the generation prompt already holds the empty think block, so it is not supervised.
+    assert runs == [
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call><|im_end|>",
+        "Rain.<|im_end|>",
+    ]
+    assert all("rain" not in r for r in runs)  # the tool result is not supervised
+    other = prepare_dataset(DataConfig(), str(src), tok, tmp_path / "b")
+    assert other.fingerprint != res.fingerprint
+
+
+def test_same_data_from_two_output_dirs_has_one_fingerprint(tmp_path, tokenizer):
+    """Issue 15: the regenerated source lives under output_dir; the fingerprint must follow its content only."""
+    rows = [{"messages": CONV}]
+    a = _write_jsonl(tmp_path / "run_a" / "regenerated.jsonl", rows) if (tmp_path / "run_a").mkdir() is None else None
+    b = _write_jsonl(tmp_path / "run_b" / "regenerated.jsonl", rows) if (tmp_path / "run_b").mkdir() is None else None
+    ra = prepare_dataset(DataConfig(source=str(a)), str(a), tokenizer, tmp_path / "run_a" / "prepared")
+    rb = prepare_dataset(DataConfig(source=str(b)), str(b), tokenizer, tmp_path / "run_b" / "prepared")
+    assert ra.fingerprint == rb.fingerprint and not rb.reused
+    b.write_text(b.read_text().replace("2 + 2 = 4.", "2 + 2 = four."))
+    assert prepare_dataset(DataConfig(), str(b), tokenizer, tmp_path / "c").fingerprint != ra.fingerprint
+
+
+# ---- messy files ----
+
+
+def test_latin1_json_is_detected_and_read(tmp_path, tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "Café?"}, {"role": "assistant", "content": "Très bon café."}]}]
+    src = tmp_path / "latin.json"
+    src.write_bytes(json.dumps(rows, ensure_ascii=False).encode("latin-1"))
+    res = prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "o")
+    assert res.n_samples == 1 and res.encoding not in ("", "utf-8")
+    assert "Très bon café." in tokenizer.decode(load_prepared(res.path)[0]["input_ids"])
+    res = prepare_dataset(DataConfig(encoding="latin-1"), str(src), tokenizer, tmp_path / "o2")
+    assert res.encoding == "latin-1" and res.n_samples == 1
+
+
+def test_bom_is_accepted_and_bad_bytes_are_quarantined_with_offsets(tmp_path, tokenizer):
+    good = json.dumps({"messages": CONV}, ensure_ascii=False).encode()
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    other = json.dumps({"data": ["héllo", "wörld reply"]}, ensure_ascii=False).encode()
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + bad + b"\n" + other + b"\n")
+    res = prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "o")
+    assert res.n_samples == 2 and res.quarantined == 1 and res.n_rows == 3
+    (q,) = load_quarantine(res)
+    offset = 3 + len(good) + 1 + bad.index(b"\xe9")
+    assert q["row"] == 2 and q["kind"] == "undecodable bytes" and f"byte offset {offset} " in q["reason"]
+    jsrc = tmp_path / "bom.json"
+    jsrc.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"messages": CONV}]).encode())
+    assert prepare_dataset(DataConfig(), str(jsrc), tokenizer, tmp_path / "j").n_samples == 1
+
+
+def test_json_errors_name_file_line_and_column(tmp_path, tokenizer):
+    src = tmp_path / "broken.json"
+    src.write_text('[\n  {"messages": []},\n  {"messages": [}\n]')
+    with pytest.raises(DataError, match=r"broken.json is not valid JSON: .* at line 3, column 17"):
+        prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "o")
+    lines = _write_jsonl(tmp_path / "l.jsonl", [{"messages": CONV}, '{"messages": [1, 2,, 3]}'])
+    res = prepare_dataset(DataConfig(), str(lines), tokenizer, tmp_path / "p")
+    (q,) = load_quarantine(res)
+    assert q["row"] == 2 and "at line 2, column 20" in q["reason"]
+
+
+def test_corrupt_parquet_and_arrow_give_one_error_naming_the_file(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"messages": [CONV] * 50})
+    good = tmp_path / "good.parquet"
+    pq.write_table(table, good, row_group_size=10)
+    data = good.read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    flipped = bytearray(data)
+    flipped[len(data) // 3 : len(data) // 3 + 64] = b"\x00" * 64
+    (tmp_path / "flip.parquet").write_bytes(bytes(flipped))
+    with pytest.raises(DataError, match=r"cut.parquet is not a readable Parquet file"):
+        prepare_dataset(DataConfig(), str(tmp_path / "cut.parquet"), tokenizer, tmp_path / "o")
+    with pytest.raises(DataError, match=r"flip.parquet: Parquet row group \d+ \(rows \d+-\d+\) cannot be read"):
+        prepare_dataset(DataConfig(), str(tmp_path / "flip.parquet"), tokenizer, tmp_path / "o")
+    arrow = tmp_path / "rows.arrow"
+    with pa.ipc.new_file(str(arrow), table.schema) as w:
+        w.write_table(table)
+    assert prepare_dataset(DataConfig(), str(arrow), tokenizer, tmp_path / "a").n_rows == 50
+    (tmp_path / "cut.arrow").write_bytes(arrow.read_bytes()[:300])
+    with pytest.raises(DataError, match=r"cut.arrow"):
+        prepare_dataset(DataConfig(), str(tmp_path / "cut.arrow"), tokenizer, tmp_path / "o")
+
+
+def test_unified_schema_parquet_with_nulls(tmp_path, tokenizer):
+    import datasets
+    import pyarrow.parquet as pq
+
+    share = [{"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi there, friend."}]
+    rows = {
+        "conversations": [share, None],
+        "messages": [None, [{"from": None, "value": None, "role": "user", "content": "Hey"}]],
+    }
+    rows["messages"][1].append({"from": None, "value": None, "role": "assistant", "content": "Hello to you."})
+    ds = datasets.Dataset.from_dict(rows)
+    path = tmp_path / "u.parquet"
+    ds.to_parquet(str(path))
+    assert pq.read_table(path).num_rows == 2
+    res = prepare_dataset(DataConfig(), str(path), tokenizer, tmp_path / "o")
+    assert res.n_samples == 2 and res.quarantined == 0
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert prepare_dataset(DataConfig(), str(tmp_path / "saved"), tokenizer, tmp_path / "s").n_samples == 2
+
+
+def test_all_rows_bad_still_writes_the_full_quarantine(tmp_path, tokenizer):
+    long_reason_row = {"messages": [{"role": "user", "content": "x"}, {"role": "wizard: with a colon", "content": "y"}]}
+    src = _write_jsonl(tmp_path / "bad.jsonl", ["nope", {"messages": []}, long_reason_row])
+    with pytest.raises(DataError) as err:
+        prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "out")
+    msg = str(err.value)
+    assert "3 rows read, 3 quarantined" in msg and "quarantine.jsonl" in msg and "unknown role 'wizard: with" in msg
+    qpath = Path(msg.split("All reasons are in ")[1].split(".jsonl")[0] + ".jsonl")
+    q = [json.loads(line) for line in qpath.read_text().splitlines()]
+    assert [x["row"] for x in q] == [1, 2, 3] and "unknown role 'wizard: with a colon'" in q[2]["reason"]
+    _write_jsonl(src, [{"messages": CONV}])  # fixed data: a new fingerprint, prepared normally
+    assert prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "out").n_samples == 1
+
+
+def test_counts_add_up_with_max_samples(tmp_path, tokenizer):
+    rows = [{"messages": CONV}, "{bad", {"messages": CONV}] + [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer number {i}"}]}
+        for i in range(20)
+    ]
+    src = _write_jsonl(tmp_path / "m.jsonl", rows)
+    res = prepare_dataset(DataConfig(max_samples=5), str(src), tokenizer, tmp_path / "o")
+    assert res.n_samples == 5 and res.quarantined == 1 and res.dropped == {"exact duplicate": 1}
+    assert res.n_rows == res.n_samples + res.quarantined + sum(res.dropped.values()) == 7
+    assert res.quarantined_by_reason == {"invalid JSON": 1} and sum(res.length_histogram.values()) == 5
