@@ -398,4 +398,10 @@ def raise_if_failed(report: ValidationReport) -> None:
     if not report.ok:
         failures = report.failures
         more = f" | ... and {len(failures) - 10} more (validation.json has them all)" if len(failures) > 10 else ""
-        raise ValidationFailed(f"store {report.version} failed validation: " + " | ".join(failures[:10]) + more)
+        fix = ""
+        if not report.integrity_ok:
+            fix = (
+                ". The store is damaged or unfinished: rerun extract on it, which rebuilds units that fail the "
+                "cheap checks; run `dflash-pipeline verify <store> --repair` first when a digest differs"
+            )
+        raise ValidationFailed(f"store {report.version} failed validation: " + " | ".join(failures[:10]) + more + fix)

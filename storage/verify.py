@@ -65,8 +65,11 @@ class VerifyReport:
     def summary(self) -> str:
         how = "sizes and XXH3-128 digests" if self.digests else "presence and sizes"
         rate = f", {self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s" if self.digests else ""
+        unfinished = len({p.unit for p in self.problems if p.kind == INCOMPLETE})
         verdict = (
-            "healthy" if self.ok else f"{len(self.problems)} problems in {len(self.damaged_units())} damaged units"
+            "healthy"
+            if self.ok
+            else f"{len(self.problems)} problems: {len(self.damaged_units())} damaged units, {unfinished} unfinished"
         )
         return (
             f"{self.url}: {verdict}; checked {self.units} units, {self.files} files, {self.bytes / 2**20:.1f} MiB "

@@ -13,9 +13,9 @@ import zarr
 
 from dflash_pipeline.cli import main as cli
 from dflash_pipeline.config import ValidateConfig
-from dflash_pipeline.errors import StoreError
+from dflash_pipeline.errors import StoreError, ValidationFailed
 from dflash_pipeline.extraction.batching import plan_batches
-from dflash_pipeline.extraction.validate import validate_store
+from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import assert_same_store, extract_local, snapshot
@@ -119,6 +119,8 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
     # validation: a failed report naming it, no exception
     r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=2))
     assert not r.ok and name in " ".join(r.failures), r.failures
+    with pytest.raises(ValidationFailed, match="rerun extract"):
+        raise_if_failed(r)
 
     # repair: content damage is found by verify --repair; the rest by the rerun of extract itself
     if digests_only:
