@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
 from dflash_pipeline.drafter.evaluate import AcceptanceReport, evaluate_export
-from dflash_pipeline.drafter.regenerate import RegenerateResult
+from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
@@ -85,8 +85,9 @@ def probe(cfg: RunConfig) -> ProbeReport:
     return probe_target(cfg.target, cfg.layers, cfg.extract, model, tokenizer)
 
 
-def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, int], None] | None = None):
-    """The dataset's assistant turns rewritten by the target (resumable); returns RegenerateResult."""
+def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenProgress], None] | None = None):
+    """The dataset's assistant turns rewritten by the target, in this process or by an OpenAI-compatible server
+    (regenerate.backend); resumable. Returns RegenerateResult."""
     out = Path(cfg.output_dir) / "regenerated" / "conversations.jsonl"
     return regenerate_responses(
         resolve_source(cfg.data.source),

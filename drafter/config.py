@@ -109,15 +109,98 @@ class EvalConfig(Section):
 
 
 class RegenerateConfig(Section):
+    """The regenerate stage (drafter/regenerate.py): the dataset's assistant turns rewritten by the target, either
+    in this process with transformers (`backend: transformers`, the embedded default and small runs) or by a
+    serving engine (vLLM, SGLang, `transformers serve`) through its OpenAI-compatible API (`backend: openai`)."""
+
     enabled: bool = Field(False, description="Regenerate assistant turns with the target before extraction.")
+    backend: Literal["transformers", "openai"] = Field(
+        "transformers",
+        description="'transformers': batched generate in this process; 'openai': requests to an OpenAI-compatible "
+        "server (vLLM, SGLang) at base_url that serves the target.",
+    )
+    # ---- sampling (both backends) ----
     temperature: float = Field(0.0, ge=0, description="0 = greedy; ~0.7 also works well.")
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(512, ge=1, description="Per assistant turn.")
-    batch_size: int = Field(16, ge=1, description="Conversations generated together (left-padded).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (with temperature > 0).")
+    top_k: int | None = Field(
+        None, ge=1, description="Top-k sampling; None = not set (not sent to the server: not every server takes it)."
+    )
+    max_new_tokens: int = Field(
+        512, ge=1, description="Per assistant turn (the request's max_tokens); longer ones are cut, see on_truncated."
+    )
+    seed: int | None = Field(
+        0,
+        description="Sampling seed. The server gets seed + a per-conversation/turn offset (reproducible whatever the "
+        "order); None = no seed sent.",
+    )
     turns: Literal["all", "last"] = Field(
         "all",
         description="'all': every assistant turn, each given the regenerated history; 'last': only the final one.",
     )
-    device: str = Field("auto")
-    seed: int = 0
-    chat_template_kwargs: dict = Field({}, description="e.g. {'enable_thinking': false}.")
+    chat_template_kwargs: dict = Field(
+        {}, description="Chat template arguments for generation (sent to the server too): {'enable_thinking': false}."
+    )
+    on_truncated: Literal["keep", "drop", "quarantine"] = Field(
+        "quarantine",
+        description="A conversation with a reply cut by max_new_tokens (finish_reason=length): 'keep' it (marked "
+        "in the output), 'drop' it (only its id is recorded, in <output>.rejected.jsonl), or 'quarantine' it (the "
+        "whole conversation goes to <output>.rejected.jsonl, not to training).",
+    )
+    reasoning_form: Literal["auto", "field", "inline"] = Field(
+        "auto",
+        description="Where a reply's reasoning is stored: 'field' = the message's reasoning_content, 'inline' = "
+        "'<think>\\n...\\n</think>\\n\\n' before the content; 'auto' = field when the target's chat template reads "
+        "reasoning_content, else inline (the form the prepare stage renders).",
+    )
+    # ---- transformers backend ----
+    batch_size: int = Field(16, ge=1, description="transformers backend: conversations generated together.")
+    device: str = Field("auto", description="transformers backend: device to generate on ('auto', 'cpu', 'cuda:0').")
+    # ---- openai backend ----
+    base_url: str = Field(
+        "http://127.0.0.1:8000/v1",
+        description="openai backend: the server's OpenAI API root (vLLM and SGLang: http://HOST:PORT/v1).",
+    )
+    model: str | None = Field(
+        None,
+        description="openai backend: the served model name (vLLM --served-model-name); None = the only model the "
+        "server lists.",
+    )
+    api_key_env: str = Field(
+        "OPENAI_API_KEY",
+        description="openai backend: environment variable holding the API key (sent as a Bearer token, never logged "
+        "or written); unset or empty = no key.",
+    )
+    extra_body: dict = Field(
+        {},
+        description="openai backend: extra request fields passed through as they are, e.g. {'repetition_penalty': "
+        "1.05, 'min_p': 0.0, 'skip_special_tokens': false}.",
+    )
+    concurrency: int = Field(
+        64, ge=1, description="openai backend: conversations in flight (one request each) - the server batches them."
+    )
+    request_timeout_s: float = Field(
+        1800.0, gt=0, description="openai backend: seconds one request may take (long thinking replies)."
+    )
+    max_retries: int = Field(
+        8,
+        ge=0,
+        description="openai backend: retries of a request after a timeout, connection error, 429 or 5xx "
+        "(exponential backoff with jitter, Retry-After honoured); other 4xx are never retried.",
+    )
+    retry_max_wait_s: float = Field(60.0, gt=0, description="openai backend: longest wait between two retries.")
+    server_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="openai backend: how long to wait at start for the server to answer (one still loading) "
+        "before failing with an error that names base_url.",
+    )
+
+    @model_validator(mode="after")
+    def _check_extra_body(self) -> RegenerateConfig:
+        reserved = {"model", "messages", "stream", "n"} & set(self.extra_body)
+        if reserved:
+            raise ValueError(
+                f"regenerate.extra_body sets {sorted(reserved)}, which the stage sets itself (model: regenerate.model; "
+                "one non-streamed reply per request): remove them"
+            )
+        return self
