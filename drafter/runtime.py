@@ -55,7 +55,13 @@ def setup(cfg: TrainConfig) -> Dist:
 
 
 class StopOnSigterm:
-    """SIGTERM -> flag (checked at step boundaries). Only the main thread may install handlers."""
+    """SIGTERM -> flag (checked at step boundaries). Only the main thread may install handlers.
+
+    Once the checkpoint is saved (the with-block ends), a SIGTERM that arrived is handed to the handler that was
+    there before, if it was Python's: Prefect's (a cancelled flow run: the task then ends as stopped, not as a
+    finished training that evaluation would follow, and is not retried) or the CLI's (a stop). With the default
+    handler (`python -m dflash_pipeline.drafter.train`, torchrun) train() returns `interrupted` and main exits 143.
+    """
 
     def __init__(self):
         self.flag, self._prev = False, None
@@ -69,9 +75,11 @@ class StopOnSigterm:
         log.warning("SIGTERM: saving a checkpoint at the next step boundary")
         self.flag = True
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self._prev is not None:
             signal.signal(signal.SIGTERM, self._prev)
+            if self.flag and exc_type is None and callable(self._prev):
+                self._prev(signal.SIGTERM, None)
 
 
 def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.device) -> Iterator[dict]:

@@ -23,6 +23,8 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from dflash_pipeline import stages
@@ -70,6 +72,19 @@ def config_digest(config_path: str | None, preset: dict | None, overrides: dict 
         return hashlib.sha256(raw.encode()).hexdigest()[:8]
 
 
+def _cancelling() -> bool:
+    """Whether this flow run is being cancelled, as the server says."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+    except Exception:  # noqa: BLE001 - no server to ask: a plain termination
+        return False
+    return bool(state and (state.is_cancelling() or state.is_cancelled()))
+
+
 def _run_name() -> str:
     """What and when: `<deployment or cli> <UTC date time> <model> <- <data> cfg <digest>`."""
     from prefect.runtime import deployment, flow_run
@@ -102,6 +117,10 @@ def dflash_pipeline(
         stopped = procs.stop_workers()
         if stopped:
             run_logger().warning("stopped extraction workers %s (%s)", stopped, type(e).__name__)
+        if isinstance(e, TerminationSignal) and _cancelling():
+            # The worker's SIGTERM of a cancelled run (UI, `prefect flow-run cancel`): end as Cancelled, not as a
+            # crash. Nothing is retried; a new run resumes from the store's commit records and the last checkpoint.
+            return Cancelled(message="cancelled: stopped at a commit / checkpoint; a new run resumes from there")
         raise
     run_logger().info("pipeline done: %s", summary.to_dict())
     return summary

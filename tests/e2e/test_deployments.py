@@ -1,8 +1,9 @@
 """Deployments against a real Prefect server and a real process worker (loopback, SQLite).
 
 Starts `prefect server start`, creates the work pool, deploys deployments/prefect.yaml, starts a worker,
-triggers runs with `prefect deployment run ... -p overrides=...`, and checks states, task runs, artifacts
-and the store through the API and on disk. Server and worker are stopped even when a test fails.
+triggers runs the way the README does (`prefect deployment run ... -p overrides=...`, which replaces the whole
+`overrides` parameter), and checks states, task runs, artifacts, processes and the store through the API and on
+disk. One server for the module; server and worker are stopped even when a test fails.
 """
 
 from __future__ import annotations
@@ -10,12 +11,27 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 
+from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import LocalPrefect
 from dflash_pipeline.storage.store import Store
+from tests.proctree import descendants, wait_gone
+
+SMALL = {"extract.devices": "cpu", "layers.num_draft_layers": 2, "validate.recompute_samples": 0}
+TINY_TRAINING = {
+    "train.max_steps": 2,
+    "train.block_size": 4,
+    "train.anchors_per_sample": 8,
+    "train.num_workers": 0,
+    "evaluate.num_prompts": 1,
+    "evaluate.max_new_tokens": 4,
+}
 
 
 def _free_port() -> int:
@@ -84,70 +100,153 @@ def _logs(lp: LocalPrefect, run_id: str) -> list:
     return _api(lp, go)
 
 
-def test_extract_only_deployment_with_override(server, tmp_path):
-    run_id = server.run_deployment(
-        "extract-only",
-        {
-            "stages": ["prepare", "probe", "extract", "validate"],
-            "output_dir": str(tmp_path),
-            "data.max_samples": 16,
-            "extract.devices": "cpu",
-            "layers.num_draft_layers": 2,
-        },
+def _stages_run(tasks) -> set[str]:
+    """Which stages ran, from the task runs' names."""
+    prefixes = {"prepare ": "prepare", "probe ": "probe", "extract ": "extract", "validate ": "validate"}
+    prefixes |= {"train drafter": "train", "acceptance": "evaluate"}
+    return {stage for t in tasks for p, stage in prefixes.items() if t.name.startswith(p)}
+
+
+@pytest.fixture(scope="module")
+def shared_out(tmp_path_factory) -> Path:
+    """The store extract-only writes and train-only (and the cancellation test) train from."""
+    return tmp_path_factory.mktemp("deployed")
+
+
+def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_out, tmp_path):
+    """The README's `-p overrides='{"data.max_samples": ...}'` adds to a deployment; it never replaces what the
+    deployment fixes (its stages, its store policy). Every deployment in prefect.yaml is run this way (nightly in
+    the test below); an override that contradicts a preset fails the run, naming the key."""
+    names = {d["name"] for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"]}
+    assert names == {"full", "extract-only", "train-only", "nightly"}
+    extract_only = server.run_deployment(
+        "extract-only", {"output_dir": str(shared_out), "data.max_samples": 8, **SMALL}
     )
-    fr = _wait(server, run_id)
+    full = server.run_deployment("full", {"output_dir": str(tmp_path), "data.max_samples": 8, **SMALL, **TINY_TRAINING})
+    conflict = server.run_deployment("extract-only", {"output_dir": str(tmp_path / "x"), "stages": ["train"]})
+
+    fr = _wait(server, extract_only)
     assert fr.state.is_completed(), fr.state
-    tasks, arts = _task_runs_and_artifacts(server, run_id)
-    names = {t.name for t in tasks}
-    assert {
-        "prepare embedded",
-        "probe embedded",
-        "plan store units",
-        "extract 1 units on cpu",
-        "validate v0001",
-    } <= names
+    assert fr.name.startswith("extract-only 20") and " cfg " in fr.name  # deployment, date, config digest
+    tasks, arts = _task_runs_and_artifacts(server, extract_only)
+    assert _stages_run(tasks) == {"prepare", "probe", "extract", "validate"}
     assert all(t.state.is_completed() for t in tasks)
     keys = {a.key for a in arts}
     assert {"compat-probe", "extract-throughput", "validation", "run-summary", "store"} <= keys
-    assert Store(tmp_path / "store").current() == "v0001"
+    link = next(a for a in arts if a.key == "store").data
+    assert f"(file://{shared_out}/store/v0001)" in link, link  # absolute: it opens from the UI
+    assert Store(shared_out / "store").current() == "v0001"
     # the logic packages' own loggers reach the UI, with rates
-    logs = _logs(server, run_id)
+    logs = _logs(server, extract_only)
     assert any(r.name == "dflash_pipeline.extraction.extract" and "tokens/s" in r.message for r in logs), {
         r.name for r in logs
     }
 
+    train_only = server.run_deployment("train-only", {"output_dir": str(shared_out), **SMALL, **TINY_TRAINING})
 
-def test_nightly_adds_only_new_rows_and_moves_current_after_validation(server, tmp_path):
+    fr = _wait(server, full)
+    assert fr.state.is_completed(), fr.state
+    assert _stages_run(_task_runs_and_artifacts(server, full)[0]) == {
+        "prepare",
+        "probe",
+        "extract",
+        "validate",
+        "train",
+        "evaluate",
+    }
+    assert (tmp_path / "drafter" / "export" / "config.json").exists()
+
+    fr = _wait(server, conflict)
+    assert fr.state.is_failed() and "extract-only deployment fixes stages" in fr.state.message, fr.state
+    assert not (tmp_path / "x").exists()  # nothing was done
+
+    fr = _wait(server, train_only)
+    assert fr.state.is_completed(), fr.state
+    stages = _stages_run(_task_runs_and_artifacts(server, train_only)[0])
+    assert {"train", "evaluate"} <= stages and not stages & {"extract", "validate"}
+    assert (shared_out / "drafter" / "export" / "config.json").exists()
+
+
+def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_path):
+    """Night 2's extraction worker is killed (no retries): the run fails naming the worker and its signal,
+    CURRENT stays. Night 3 resumes the unfinished version and publishes it after validation. (A version whose
+    validation failed is discarded instead: tests/integration/test_nightly_recovery.py.)"""
     rows = CONVERSATIONS_MESSAGES.read_text().splitlines()
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(rows[:20]) + "\n")
-    overrides = {
-        "output_dir": str(tmp_path),
-        "data.source": str(data),
-        "extract.devices": "cpu",
-        "layers.num_draft_layers": 2,
-        "stages": ["prepare", "probe", "extract", "validate"],
-        "extract.incremental": True,
-        "extract.new_version": True,
-    }
+    overrides = {"output_dir": str(tmp_path), "data.source": str(data), **SMALL}
     first = _wait(server, server.run_deployment("nightly", overrides))
     assert first.state.is_completed(), first.state
     store = Store(tmp_path / "store")
     assert store.current() == "v0001"
 
-    data.write_text("\n".join(rows[:28]) + "\n")  # eight new conversations arrive
+    data.write_text("\n".join(rows[:28]) + "\n")  # eight new conversations arrive ...
+    failed = _wait(
+        server,
+        server.run_deployment(
+            "nightly",
+            {**overrides, "extract.isolation": "process", "extract.task_retries": 0},
+            job_env={"DFLASH_KILL_AT": "after_shard_write:1"},  # ... and the night's worker dies
+        ),
+    )
+    assert failed.state.is_failed(), failed.state
+    assert "extraction worker on cpu (pid" in failed.state.message and "SIGKILL" in failed.state.message
+    assert store.current() == "v0001" and store.versions() == ["v0001", "v0002"]
+
     run_id = server.run_deployment("nightly", overrides)
-    second = _wait(server, run_id)
-    assert second.state.is_completed(), second.state
+    good = _wait(server, run_id)
+    assert good.state.is_completed(), good.state
     assert store.current() == "v0002" and store.versions() == ["v0001", "v0002"]
     new_units = [u for u in store.units("v0002") if u not in store.units("v0001")]
-    new_samples = sum(len(store.unit_attrs("v0002", u)["samples"]) for u in new_units)
-    assert new_samples == 8 - 0  # only the new rows went through the model
+    # only the new rows went through the model: the published unit is shared, unchanged
+    assert store.units("v0001") == ["u00000"] and new_units
+    assert store.unit_attrs("v0002", "u00000")["samples"] == store.unit_attrs("v0001", "u00000")["samples"]
+    assert all(store.commit_record("v0002", u)["complete"] for u in store.units("v0002"))
     tasks, arts = _task_runs_and_artifacts(server, run_id)
-    validate = next(t for t in tasks if t.name.startswith("validate"))
-    assert validate.state.is_completed()
+    assert _stages_run(tasks) == {"prepare", "probe", "extract", "validate"}
     throughput = next(a for a in arts if a.key == "extract-throughput")
     table = throughput.data if isinstance(throughput.data, list) else json.loads(throughput.data)
-    assert table[-1]["tokens"] == sum(store.unit_info("v0002", u).n_tokens for u in new_units)
+    assert table[-1]["device"].startswith("total")
     summary = next(a for a in arts if a.key == "run-summary").data
-    assert "| new samples | 8 |" in summary and "v0001 / v0002 (promoted)" in summary
+    assert "v0001 / v0002 (promoted)" in summary
+
+
+def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out, tmp_path):
+    """What the UI's Cancel does (set the flow run's state to CANCELLING): the worker stops the flow-run process
+    during training; the run ends Cancelled, the training task ran once, and no process of the run is left."""
+    from prefect.states import Cancelling
+
+    if Store(shared_out / "store").current() is None:  # made by the extract-only run above, unless run alone
+        extracted = _wait(server, server.run_deployment("extract-only", {"output_dir": str(shared_out), **SMALL}))
+        assert extracted.state.is_completed(), extracted.state
+    long = {**TINY_TRAINING, "train.max_steps": 100000, "train.epochs": 100000.0, "train.output_dir": str(tmp_path)}
+    run_id = server.run_deployment("train-only", {"output_dir": str(shared_out), **SMALL, **long})
+
+    async def training_started(client):
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        for _ in range(300):
+            trs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            fr = await client.read_flow_run(run_id)
+            assert not fr.state.is_final(), fr.state
+            if any(t.name.startswith("train drafter") and t.state.is_running() for t in trs):
+                return
+            await asyncio.sleep(1)
+        raise TimeoutError("training never started")
+
+    _api(server, training_started)
+    time.sleep(3)  # a few steps in
+    run_procs = descendants(server.worker.pid)
+    assert run_procs, "the flow-run process is not a child of the worker"
+    t0 = time.monotonic()
+    _api(server, lambda c: c.set_flow_run_state(run_id, Cancelling(message="cancelled from the UI"), force=True))
+    fr = _wait(server, run_id, timeout=120)
+    assert fr.state.is_cancelled(), fr.state
+    left = wait_gone(run_procs, timeout=30)
+    assert not left, left
+    print(f"cancelled in {time.monotonic() - t0:.1f} s")
+    tasks, _ = _task_runs_and_artifacts(server, run_id)
+    train = [t for t in tasks if t.name.startswith("train drafter")]
+    assert len(train) == 1 and train[0].run_count <= 1 and not train[0].state.is_completed(), train
+    assert not (tmp_path / "export").exists()  # and no evaluation ran after it
+    assert not any(t.name.startswith("acceptance") for t in tasks)
