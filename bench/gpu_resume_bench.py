@@ -100,7 +100,7 @@ def main() -> int:
     }
     cfg = load_config(None, base)
     report = bench_probe(cfg)
-    tighter = {"extract.token_budget": 1024} if small else {"extract.max_gpu_memory_gib": report.weights_gib + 3}
+    tighter = {"extract.token_budget": 1024} if small else {"extract.max_gpu_memory_gib": report.weights_gib + 1.0}
     tight = bench_probe(load_config(None, {**base, **tighter}))
     log(f"probe budgets: free memory {report.token_budget} tokens/batch, tighter cap {tight.token_budget}")
     samples = synthetic_samples(args.tokens, SHAPE["vocab_size"], seed=3)
