@@ -370,8 +370,11 @@ class Store:
 
         damaged = damaged_units(self, version, digests=False)
         for u, problems in damaged.items():
-            plan = self.plan_record(version, u)
-            if plan is None:  # no plan record (format 1): its own attributes are all there is
+            try:
+                plan = self.plan_record(version, u)
+            except ValueError:  # an unreadable plan record is rebuilt from the unit's own attributes
+                plan = None
+            if plan is None:  # no usable plan record: the unit's own attributes are all there is
                 try:
                     ua = self.unit_attrs(version, u)
                     plan = {k: ua[k] for k in ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")}

@@ -67,6 +67,7 @@ DAMAGES = {
         False,
     ),
     "edit_sample_table": (lambda v: _edit(v / U0, "samples", _swap_first_two), "samples", ["u00000"], False),
+    "garble_plan_record": (lambda v: (v / "plans/u00000.json").write_text("{"), "plans/u00000.json", ["u00000"], False),
     "edit_layer_ids": (lambda v: _edit(v, "layer_ids", lambda ids: ids[:-1] + [ids[-1] + 1]), "layer_ids", [], False),
 }
 
