@@ -260,6 +260,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction import loader as loader_mod
+    from dflash_pipeline.extraction.kernels import use_conv_kernel
     from dflash_pipeline.extraction.loader import compile_modules, load_planned, resolve_compile
 
     device = args.device
@@ -295,10 +296,13 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         "target.model_path": str(ckpt),
         "target.dtype": dtype_name,
         "extract.devices": device,
+        "extract.conv_kernel": args.conv_kernel,
         **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {}),
     }
     cfg = load_config(None, base)
     report = bench_probe(cfg)
+    use_conv_kernel(report.conv_kernel)  # (a) and (b) alike; load_planned does this, but the bench may replace it
+    res["conv_kernel"] = report.conv_kernel
     res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
     log(f"{shape}: probe: layers {report.layer_ids}, kernels {report.kernels}, dtype kwarg {report.dtype_kwarg}")
 
@@ -462,6 +466,7 @@ def main():
     )
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
+    p.add_argument("--conv-kernel", default="auto", help="extract.conv_kernel: auto, fla or transformers")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()

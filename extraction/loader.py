@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipeline.errors import CompatError
+from dflash_pipeline.extraction.kernels import use_conv_kernel
 from dflash_pipeline.extraction.placement import device_map_summary, replica_devices, split_device_map
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
     """The target as the probe planned it: its path, dtype keyword, compute dtype (unless `dtype` is given),
     attention implementation and trust_remote_code, and on a split replica the same working-memory reserve
     and per-GPU cap. Every stage that runs the target loads it here."""
+    use_conv_kernel(report.conv_kernel)
     return load_target(
         report.model_path,
         report.dtype_kwarg,

@@ -18,6 +18,7 @@ import torch
 
 from dflash_pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError, ConfigError
+from dflash_pipeline.extraction.kernels import conv_kernel_choice
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
@@ -77,6 +78,7 @@ class ProbeReport(Handoff):
     # One entry per worker: a device, or GPUs joined by '+' that share one split replica (target/placement.py).
     replicas: list[str] = field(default_factory=list)
     token_budget: int = AUTO_TOKEN_BUDGET_MAX  # padded tokens per forward batch (extract.token_budget, resolved)
+    conv_kernel: str = "transformers"  # extract.conv_kernel resolved (extraction/kernels.py)
     max_gpu_memory_gib: float | None = None  # extract.max_gpu_memory_gib: the per-GPU cap the plan used
 
     @property
@@ -107,6 +109,7 @@ class ProbeReport(Handoff):
 | placement | {self.placement} |
 | weights / working memory per replica | {self.weights_gib:.2f} GiB / {self.working_gib:.2f} GiB |
 | tokens per forward batch | {self.token_budget} |
+| causal convolution (GDN layers) | {self.conv_kernel} |
 
 ## Devices
 | device | kind | total GiB | free GiB |
@@ -347,6 +350,9 @@ def probe(
         warnings=warnings,
         replicas=replicas,
         token_budget=budget,
+        conv_kernel=conv_kernel_choice(
+            extract.conv_kernel, hybrid, kernels["flash-linear-attention"], all(d.startswith("cuda") for d in devices)
+        ),
         max_gpu_memory_gib=extract.max_gpu_memory_gib,
     )
 
