@@ -72,8 +72,8 @@ DAMAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def original(small_store):
+def snapshot_and_batches(small_store):
+    """The small store's snapshot, and each unit's number of forward passes (batches) when extracted."""
     store = Store(small_store.store)
     version = small_store.plan.version
     batches = {
@@ -81,6 +81,11 @@ def original(small_store):
         for u in store.units(version)
     }
     return snapshot(store, version), batches
+
+
+@pytest.fixture(scope="module")
+def original(small_store):
+    return snapshot_and_batches(small_store)
 
 
 def test_original_store_verifies_and_validates(small_store, capsys):
