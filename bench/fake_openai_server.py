@@ -10,7 +10,8 @@ the client it measures. Endpoints: GET /v1/models, POST /v1/chat/completions (no
 
 --fail STATUS:N answers the first N chat requests with STATUS (several --fail options run one after the other),
 429s carry `Retry-After: 0`. --fail-at STATUS:I answers only the I-th chat request (1-based) with STATUS.
---api-key makes every request without `Authorization: Bearer SECRET` a 401.
+--hang N closes the connection of the first N chat requests without an answer; --slow N:S answers the first N
+after S seconds (client timeouts). --api-key makes every request without `Authorization: Bearer SECRET` a 401.
 --log appends each chat request's body (one JSON line) to a file. The reply's content repeats a word
 --reply-tokens times (usage.completion_tokens says so); finish_reason is "length" when max_tokens is smaller.
 """
@@ -35,6 +36,9 @@ class Fake:
             self.failures += [int(status)] * int(n)
         self.fail_at = {int(i): int(st) for st, i in (x.split(":") for x in args.fail_at)}
         self.chat_requests = 0
+        self.hang = args.hang
+        n, _, sec = (args.slow or "0:0").partition(":")
+        self.slow_n, self.slow_s = int(n), float(sec)
         self.log = open(args.log, "a") if args.log else None
 
     def chat(self, body: dict) -> tuple[int, dict, dict]:
@@ -84,6 +88,13 @@ class Fake:
                 elif method == "GET" and path == "/health":
                     status, resp = 200, {"status": "ok"}
                 elif method == "POST" and path == "/v1/chat/completions":
+                    if self.hang > 0:
+                        self.hang -= 1
+                        self.chat_requests += 1
+                        return  # the finally closes the connection: the client sees it dropped
+                    if self.slow_n > 0:
+                        self.slow_n -= 1
+                        await asyncio.sleep(self.slow_s)
                     status, resp, extra = self.chat(json.loads(body))
                 else:
                     status, resp = 404, {"error": {"message": f"no route {method} {path}"}}
@@ -107,6 +118,8 @@ async def main() -> None:
     ap.add_argument("--reasoning", action="store_true")
     ap.add_argument("--fail", action="append", default=[], help="STATUS:N, the first N chat requests get STATUS")
     ap.add_argument("--fail-at", action="append", default=[], help="STATUS:I, the I-th chat request gets STATUS")
+    ap.add_argument("--hang", type=int, default=0, help="drop the first N chat requests' connections unanswered")
+    ap.add_argument("--slow", default="", help="N:S, the first N chat requests are answered after S seconds")
     ap.add_argument("--api-key", default="")
     ap.add_argument("--log", default="")
     args = ap.parse_args()

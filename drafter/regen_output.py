@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,17 +163,24 @@ def _duration(s: float) -> str:
 
 
 # ---- the output -------------------------------------------------------------------------------------------
-def _read_lines(path: Path) -> list[dict]:
-    """The complete lines of an append-only JSONL; a torn last line (a crash mid-write) is cut off the file."""
+def _scan(path: Path) -> Iterator[dict]:
+    """The complete lines of an append-only JSONL, read one at a time (outputs of thinking models run to GBs); a
+    torn last line (a crash mid-write) is cut off the file."""
     if not path.exists():
-        return []
-    data = path.read_bytes()
-    good = data[: data.rfind(b"\n") + 1]
-    if len(good) != len(data):
-        log.warning("%s: cut a torn last line (%d bytes) left by an interrupted run", path, len(data) - len(good))
+        return
+    good = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            good += len(line)
+            if line.strip():
+                yield json.loads(line)
+    size = path.stat().st_size
+    if good != size:
+        log.warning("%s: cut a torn last line (%d bytes) left by an interrupted run", path, size - good)
         with open(path, "r+b") as f:
-            f.truncate(len(good))
-    return [json.loads(line) for line in good.decode("utf-8").splitlines() if line.strip()]
+            f.truncate(good)
 
 
 @dataclass
@@ -219,14 +226,16 @@ class RegenOutput:
         self.record_path = self.path.with_name(self.path.stem + ".run.json")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._check_settings(settings, server or {})
-        kept, rejected = _read_lines(self.path), _read_lines(self.rejected_path)
         self.earlier = Tally()
-        for r in kept:
-            self.earlier.add(r.get("regen", {}).get("outcome", "ok"), r.get("regen", {}))
-        for r in rejected:
-            self.earlier.add(r["outcome"], r.get("regen", {}))
-        self.done: set[str] = {r["id"] for r in kept} | {r["id"] for r in rejected}
-        if len(self.done) != len(kept) + len(rejected):
+        self.done: set[str] = set()
+        n = 0
+        for kept, p in ((True, self.path), (False, self.rejected_path)):
+            for r in _scan(p):
+                regen = r.get("regen", {})
+                self.earlier.add(regen.get("outcome", "ok") if kept else r["outcome"], regen)
+                self.done.add(r["id"])
+                n += 1
+        if len(self.done) != n:
             raise RegenerateError(
                 f"{self.path} and {self.rejected_path} hold an id twice: they were edited or written by two runs at "
                 "once; move them away and regenerate afresh"

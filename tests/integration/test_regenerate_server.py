@@ -311,6 +311,17 @@ def test_429_and_5xx_bursts_are_retried(fake, report, source, tmp_path, caplog):
     assert any("HTTP 503" in m for m in retries) and any("HTTP 429" in m for m in retries)
 
 
+def test_timeouts_and_dropped_connections_are_retried(fake, report, source, tmp_path, caplog):
+    url = fake("--model", "m", "--reply-tokens", "5", "--hang", "2", "--slow", "1:3")
+    caplog.set_level(logging.WARNING, logger="dflash_pipeline")
+    cfg = _cfg({"url": url, "model": "m"}, concurrency=1, request_timeout_s=1.0)
+    res = regenerate(str(source), tmp_path / "o.jsonl", report, cfg, fmt="messages")
+    assert res.retries == 3 and res.outcomes["ok"] == N_CONV
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert sum("ReadTimeout" in m for m in retries) == 1
+    assert sum("RemoteProtocolError" in m for m in retries) == 2
+
+
 def test_persistent_5xx_stops_with_one_error(fake, report, source, tmp_path):
     url = fake("--model", "m", "--reply-tokens", "5", "--fail", "500:1000")
     cfg = _cfg({"url": url, "model": "m"}, max_retries=2, retry_max_wait_s=0.05, concurrency=1)
@@ -352,3 +363,40 @@ def test_first_requests_refused_stop_the_stage(fake, report, source, tmp_path):
     url = fake("--model", "m", "--fail", "400:1")
     with pytest.raises(RegenerateError, match=r"refused the first requests \(HTTP 400: fake 400"):
         regenerate(str(source), tmp_path / "o.jsonl", report, _cfg({"url": url, "model": "m"}), fmt="messages")
+
+
+def test_requests_carry_history_settings_and_extra_fields(fake, report, source, tmp_path):
+    """What goes over the wire: every assistant turn in order with the regenerated history, the sampling settings,
+    chat_template_kwargs and extra_body passed through; turns=last asks once, for the final turn."""
+    log = tmp_path / "requests.jsonl"
+    url = fake("--model", "m", "--reply-tokens", "3", "--log", str(log))
+    two = next(r for r in _lines(source) if sum(m["role"] == "assistant" for m in r["messages"]) == 2)
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps(two) + "\n")
+    extra = {"min_p": 0.05, "repetition_penalty": 1.0}
+    cfg = _cfg(
+        {"url": url, "model": "m"},
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        seed=11,
+        chat_template_kwargs={"enable_thinking": True},
+        extra_body=extra,
+    )
+    regenerate(str(src), tmp_path / "all.jsonl", report, cfg, fmt="messages")
+    first, second = _lines(log)
+    a1 = [i for i, m in enumerate(two["messages"]) if m["role"] == "assistant"]
+    assert first["messages"] == two["messages"][: a1[0]]
+    assert second["messages"][a1[0]] == {"role": "assistant", "content": "word word word"}  # regenerated context
+    assert second["messages"][a1[0] + 1 :] == two["messages"][a1[0] + 1 : a1[1]]
+    for body in (first, second):
+        assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["top_k"] == 20
+        assert body["max_tokens"] == MAX_NEW and body["chat_template_kwargs"] == {"enable_thinking": True}
+        assert body["min_p"] == 0.05 and body["repetition_penalty"] == 1.0 and body["model"] == "m"
+    assert first["seed"] != second["seed"]
+
+    regenerate(str(src), tmp_path / "last.jsonl", report, cfg.model_copy(update={"turns": "last"}), fmt="messages")
+    (only,) = _lines(log)[2:]
+    assert only["messages"] == two["messages"][: a1[1]]  # the dataset's own earlier turns
+    (row,) = _lines(tmp_path / "last.jsonl")
+    assert row["messages"][a1[0]] == two["messages"][a1[0]] and row["messages"][a1[1]]["content"] == "word word word"
