@@ -64,16 +64,49 @@ class _TemplateInfo:
     end_of_turn: tuple[str, ...]
     reads_reasoning: bool  # the template takes reasoning from a field (so inline think blocks are moved there)
 
+    compiled: Any = None  # the jinja template, rendered directly (apply_chat_template's checks cost ~30%)
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    generation_tags: bool = False  # the template marks assistant text with {% generation %}
+
 
 _INFO: dict[tuple[int, str, str], tuple[Any, _TemplateInfo]] = {}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def _apply(tok, messages, tools, kwargs, generation_prompt: bool = False) -> str:
+def _compile(template: str):
+    """transformers' own compiled template and its generation-index renderer, or None where this transformers
+    version lacks them (then apply_chat_template is used: the same text, more slowly)."""
     try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template, _render_with_assistant_indices
+    except ImportError:
+        return None, None
+    return _compile_jinja_template(template), _render_with_assistant_indices
+
+
+def _apply(tok, messages, tools, kwargs, generation_prompt: bool = False, info: _TemplateInfo | None = None) -> str:
+    try:
+        if info is not None and info.compiled is not None:
+            return info.compiled.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=generation_prompt,
+                **info.template_vars,
+            )
         return tok.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
     except Exception as e:  # noqa: BLE001 - jinja raises many types (raise_exception in templates, TypeError, ...)
+        raise RowError(
+            f"the chat template failed on this conversation: {type(e).__name__}: {e}", "template error"
+        ) from None
+
+
+def _apply_with_generation_spans(tok, messages, tools, info: _TemplateInfo) -> tuple[str, list[tuple[int, int]]]:
+    compiled, with_indices = _compile(tok.chat_template)
+    try:
+        return with_indices(compiled, messages, tools, None, False, **info.template_vars)
+    except Exception as e:  # noqa: BLE001
         raise RowError(
             f"the chat template failed on this conversation: {type(e).__name__}: {e}", "template error"
         ) from None
@@ -108,7 +141,11 @@ def _info(tok, kwargs: dict[str, Any]) -> _TemplateInfo:
     eot = tuple(t for t in (*END_OF_TURN, tok.eos_token) if t and t in specials) or tuple(
         t for t in (*END_OF_TURN, tok.eos_token) if t
     )
+    compiled, with_indices = _compile(template)
     info = _TemplateInfo(
+        compiled=compiled,
+        template_vars={**tok.special_tokens_map, **kwargs},
+        generation_tags=with_indices is not None and bool(_GENERATION_TAG.search(template)),
         generation_prompt=gen,
         header_cuts=tuple(m for m in reversed(cuts) if m >= header_min),
         specials=re.compile("|".join(map(re.escape, specials))) if specials else None,
@@ -231,10 +268,8 @@ def _assistant_span(
                 think_end = think.end if q < 0 else q + len(_THINK_END)
                 while think_end < end and text[think_end] in " \n":
                     think_end += 1
-        elif content is not None and _THINK_END in text[content.start : content.end]:
-            think_end = text.find(_THINK_END, content.start, content.end) + len(_THINK_END)
-            while think_end < content.end and text[think_end] in " \n":
-                think_end += 1
+        elif content is not None and _THINK_END in text[content.start : content.end]:  # an inline think block
+            think_end = _after_think(text, content.start, content.end)
     return start, end, think_end
 
 
@@ -282,6 +317,31 @@ def _tokenize(tok, text: str, literal: list[tuple[int, int]], info: _TemplateInf
     return ids, offsets
 
 
+def _has_special_text(messages: list[dict[str, Any]], info: _TemplateInfo) -> bool:
+    """Whether any message text holds special-token text (other than an assistant's own think markup)."""
+    if info.specials is None:
+        return False
+    for m in messages:
+        for name in ("content", "reasoning_content"):
+            v = m.get(name)
+            if isinstance(v, str):
+                hits = info.specials.findall(v)
+                if any(h not in THINK_MARKUP or m["role"] != "assistant" for h in hits):
+                    return True
+    return False
+
+
+def _after_think(text: str, start: int, end: int) -> int:
+    """Where the answer starts in a span that holds a think block (its end, past following whitespace)."""
+    q = text.find(_THINK_END, start, end)
+    if q < 0:
+        return start
+    q += len(_THINK_END)
+    while q < end and text[q] in " \n":
+        q += 1
+    return q
+
+
 def _mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
     ends = [b if b > a else a + 1 for a, b in offsets]
     starts = [a for a, _ in offsets]
@@ -302,7 +362,18 @@ def render(tokenizer, conv: Conversation | list[dict[str, Any]], mask_turns: str
     kwargs.pop("tools", None)
     info = _info(tokenizer, kwargs)
     messages = _move_inline_think(conv.messages) if info.reads_reasoning else conv.messages
-    text = _apply(tokenizer, messages, tools, kwargs)
+    _check_unlocated_text(conv, info, messages)
+    if info.generation_tags and not _has_special_text(messages, info):
+        # The template marks the assistant text itself ({% generation %}): one rendering gives the spans.
+        text, spans = _apply_with_generation_spans(tokenizer, messages, tools, info)
+        spans = [(s, e) for s, e in spans if e > s]
+        if opts.mask_turns == "last":
+            spans = spans[-1:]
+        if opts.reasoning == "mask":
+            spans = [(_after_think(text, s, e), e) for s, e in spans]
+        ids, offsets = _tokenize(tokenizer, text, [], info)
+        return Rendered(ids, _mask(offsets, spans), text, spans)
+    text = _apply(tokenizer, messages, tools, kwargs, info=info)
 
     values: list[tuple[int, str, str]] = []
     sentinel_msgs = []
@@ -316,7 +387,7 @@ def render(tokenizer, conv: Conversation | list[dict[str, Any]], mask_turns: str
                 m2[name] = _SENTINEL.format(len(values))
                 values.append((i, name, v))
         sentinel_msgs.append(m2)
-    sentinel_text = _apply(tokenizer, sentinel_msgs, tools, kwargs)
+    sentinel_text = _apply(tokenizer, sentinel_msgs, tools, kwargs, info=info)
     try:
         fields = _locate_fields(text, sentinel_text, values)
     except _Mismatch as e:
@@ -326,7 +397,6 @@ def render(tokenizer, conv: Conversation | list[dict[str, Any]], mask_turns: str
             "the rendering), so the text of each turn cannot be located exactly",
             "turn not located",
         ) from None
-    _check_unlocated_text(conv, info, messages)
 
     literal: list[tuple[int, int]] = []  # special-token text written inside a message
     if info.specials is not None:
