@@ -56,6 +56,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 130
     except RuntimeError as e:
+        if type(e).__name__ == "WorkerCrashed" and not args.debug:  # retries used up: say which worker, how
+            print(f"error: {e}\nrun the same command again to resume from the last commit", file=sys.stderr)
+            return 1
         if "server" not in str(e).lower() or args.debug:
             raise
         print(

@@ -8,7 +8,8 @@
   small guard process watches this one: it remembers this process's descendants and, when this process is
   gone, stops those still running (SIGTERM, SIGKILL after GUARD_GRACE_S).
 - Prefect logs a user error's traceback (twice) before the CLI prints the message; without --debug those
-  records keep their message and lose the traceback.
+  records keep their message and lose the traceback (also for a crashed extraction worker, whose message names
+  the worker, its pid and its signal).
 
 `python -m dflash_pipeline.runguard PID` is the guard; it imports nothing heavy.
 """
@@ -40,9 +41,40 @@ class _NoUserErrorTraceback(logging.Filter):
         from dflash_pipeline.errors import PipelineError
 
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, PipelineError):
+        if isinstance(exc, PipelineError) or type(exc).__name__ == "WorkerCrashed":  # both say what happened
             record.exc_info, record.exc_text = None, None
         return "Encountered exception during execution" not in record.getMessage() or exc is None
+
+
+def isolate_ephemeral_server() -> None:
+    """Start Prefect's temporary server (a uvicorn child) in a session of its own. A terminal's Ctrl-C goes to
+    the whole foreground process group: the server would die at once, and the run could then neither report its
+    end nor stop in time. Its own session keeps it up until this process stops it at exit; the guard stops it
+    after a SIGKILL. (Wraps the private SubprocessASGIServer._run_uvicorn_command; without it, nothing changes.)"""
+    try:
+        from prefect.server.api import server as prefect_server
+    except ImportError:
+        return
+    cls = getattr(prefect_server, "SubprocessASGIServer", None)
+    original = getattr(cls, "_run_uvicorn_command", None)
+    if original is None or getattr(original, "_own_session", False):
+        return
+
+    def run_uvicorn(self):
+        popen = subprocess.Popen
+
+        def in_own_session(*args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            return popen(*args, **kwargs)
+
+        prefect_server.subprocess.Popen = in_own_session
+        try:
+            return original(self)
+        finally:
+            prefect_server.subprocess.Popen = popen
+
+    run_uvicorn._own_session = True
+    cls._run_uvicorn_command = run_uvicorn
 
 
 @contextmanager
@@ -51,6 +83,8 @@ def guarded_run(debug: bool = False):
     global _guard
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     _guard = _guard or start_guard()  # its stdin closes when this process ends, after the exit handlers
+    if not os.environ.get("PREFECT_API_URL"):
+        isolate_ephemeral_server()
     flt = _NoUserErrorTraceback()
     loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
     if not debug:

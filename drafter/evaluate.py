@@ -14,6 +14,8 @@ and `lossless_check` compares it against plain greedy decoding.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +27,8 @@ from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import head_from_model
 from dflash_pipeline.extraction.capture import LayerCapture
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dflash_pipeline.extraction.probe import ProbeReport
@@ -188,10 +192,27 @@ def evaluate_export(
     target = load_planned(report, device, str(dtype).removeprefix("torch."))  # the extraction's loader
     tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     drafter = load_drafter(export_dir, device, dtype)
-    rep = evaluate_acceptance(drafter, target, tok, cfg)
+    rep = evaluate_acceptance(drafter, target, tok, cfg, progress=_progress_log("trained drafter"))
     if baseline:
         torch.manual_seed(seed)
         fresh = DFlashDrafter(drafter.spec).to(device=device, dtype=dtype).eval()
-        rep.untrained_acceptance_length = evaluate_acceptance(fresh, target, tok, cfg).acceptance_length
+        untrained = evaluate_acceptance(fresh, target, tok, cfg, progress=_progress_log("untrained baseline"))
+        rep.untrained_acceptance_length = untrained.acceptance_length
     update_meta(export_dir, acceptance=rep.to_dict())
     return rep
+
+
+def _progress_log(what: str, every_s: float = 10.0) -> Callable[[int, int], None]:
+    """A log line per prompt, at most one each `every_s` (and the first), with the rate so far: the UI shows that
+    evaluation is alive (it takes minutes on CPU)."""
+    t0 = time.monotonic()
+    last = [-every_s]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic() - t0
+        if now - last[0] >= every_s or done == 0:
+            last[0] = now
+            eta = f", ETA {now / done * (total - done):.0f} s" if done else ""
+            log.info("evaluate (%s): prompt %d/%d, %.0f s%s", what, done + 1, total, now, eta)
+
+    return progress

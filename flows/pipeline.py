@@ -98,9 +98,10 @@ def _run_name() -> str:
     return f"{deployment.name or 'cli'} {when} {model} <- {data} cfg {digest}"
 
 
-@flow(
-    name="dflash-pipeline", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True
-)
+# No log_prints: Prefect's print patch ignores a swapped sys.stdout, so what a library prints into a capture
+# (dill.detect.nestedglobals disassembles every function `datasets` fingerprints, into a StringIO) became UI log
+# lines of bytecode. Our code logs through `logging`, which reaches the UI (tasks/common.forward_logic_logs).
+@flow(name="dflash-pipeline", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=16))
 def dflash_pipeline(
     config_path: str | None = None, overrides: dict[str, Any] | None = None, preset: dict[str, Any] | None = None
 ) -> RunSummary:

@@ -1,0 +1,113 @@
+"""Stopping `dflash-pipeline run` during extraction (issue 16): Ctrl-C (SIGINT to the terminal's process group),
+SIGTERM and SIGKILL of the CLI, and SIGKILL of an extraction worker. Within STOP_BOUND_S no process the run started
+is left (the process tree is walked: extraction workers, their store-writer processes, Prefect's temporary uvicorn
+server, the guard), no worker spec file is left, the store verifies, and a rerun completes bit-identical to an
+uninterrupted extraction.
+
+The CLI runs from another directory with a relative output_dir: exactly one store is written, where the user meant.
+Each forward is slowed down (tests/slowdown) so that the signal surely lands mid-extraction."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.verify import verify_version
+from tests.helpers import KILL_OVERRIDES, assert_same_store, snapshot
+from tests.proctree import alive, descendants, wait_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+# Bound on stopping: the flow stops its workers (SIGTERM, SIGKILL after procs.STOP_GRACE_S = 10 s), then Prefect's
+# temporary server stops (5 s); after a SIGKILL of the CLI, workers exit within 1 s of their parent's death and the
+# guard stops the rest (SIGTERM, SIGKILL after 5 s). Measured on a loaded 2-core machine: see the printed times.
+STOP_BOUND_S = 30.0
+OVERRIDES = {
+    **KILL_OVERRIDES,
+    "extract.devices": "cpu",
+    "extract.isolation": "process",
+    "extract.task_retries": 0,
+    "stages": ["prepare", "probe", "extract", "validate"],
+    "validate.recompute_samples": 0,
+}
+
+
+def _cli(cwd: Path, tmpdir: Path, slow: bool) -> subprocess.Popen:
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in {**OVERRIDES, "output_dir": "run"}.items()]
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)  # the run's own temporary server, as a user's first run has
+    if slow:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "slowdown"), env.get("PYTHONPATH", "")])
+        env["DFLASH_TEST_FORWARD_SLEEP"] = "0.4"
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.cli", "run", *sets],
+        cwd=cwd,
+        env=env,
+        stdout=open(cwd / "cli.out", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+    )
+
+
+def _worker_pids(pid: int) -> dict[int, str]:
+    return {p: c for p, c in descendants(pid).items() if "extraction.worker_main" in c}
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill", "worker-sigkill"])
+def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(how, clean_extraction, tmp_path):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    cli = _cli(tmp_path, tmpdir, slow=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (workers := _worker_pids(cli.pid)):
+            assert cli.poll() is None, (tmp_path / "cli.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no extraction worker started"
+            time.sleep(0.2)
+        store = Store(tmp_path / "run" / "store")
+        while not any(store.commit_record("v0001", u)["committed_tokens"] for u in store.units("v0001")):
+            assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "cli.out").read_text()[-3000:]
+            time.sleep(0.2)
+        started = descendants(cli.pid)  # workers, writer processes, uvicorn, the guard
+        assert any("uvicorn" in c for c in started.values()), started
+        t0 = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(cli.pid, signal.SIGINT)  # what a terminal sends its foreground job
+        elif how == "sigterm":
+            cli.send_signal(signal.SIGTERM)
+        elif how == "sigkill":
+            cli.send_signal(signal.SIGKILL)
+        else:
+            os.kill(next(iter(workers)), signal.SIGKILL)
+        rc = cli.wait(timeout=STOP_BOUND_S if how != "worker-sigkill" else 120)
+        left = wait_gone(started, timeout=max(0.0, STOP_BOUND_S - (time.monotonic() - t0)))
+        elapsed = time.monotonic() - t0
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    out = (tmp_path / "cli.out").read_text()
+    print(f"{how}: CLI exited {rc}, every process it started gone {elapsed:.1f} s after the signal")
+    assert not left, f"{how}: still running after {STOP_BOUND_S} s: {left}"
+    assert not alive(workers)
+    assert not list(tmpdir.glob("*.json")), "a worker spec file was left behind"
+    if how in ("ctrl-c", "sigterm"):
+        assert rc == 130 and "stopped (" in out and "Traceback" not in out, out[-3000:]
+    elif how == "sigkill":
+        assert rc == -signal.SIGKILL
+    else:  # the run fails, naming the worker and its signal
+        assert rc == 1 and "error: extraction worker on cpu (pid" in out and "SIGKILL" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    assert store.current() is None  # nothing half-done was published
+
+    rerun = _cli(tmp_path, tmpdir, slow=False)
+    assert rerun.wait(timeout=400) == 0, (tmp_path / "cli.out").read_text()[-3000:]
+    assert [p.name for p in tmp_path.rglob("store") if p.is_dir()] == ["store"]  # one store, under cwd/run
+    assert store.current() == "v0001" and verify_version(store, "v0001").ok
+    assert_same_store(snapshot(store, "v0001"), snapshot(Store(clean_extraction.store), "v0001"))
