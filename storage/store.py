@@ -360,12 +360,12 @@ class Store:
         )
 
     def _repair_units(self, version, attrs, row_of, lengths, fetch) -> list[str]:
-        """Units that fail the cheap verification (a file missing or of the wrong size, a commit record
-        missing while shards are there, attributes that differ from the plan record, a unit directory
-        missing) are discarded and created again from their plan record: same name, same samples in the same
-        order, same chunking, so their extraction recomputes exactly those samples, bit for bit. Units that
-        verify are not touched. Content digests are checked by `dflash-pipeline verify --repair`, which
-        discards units whose bytes differ; this then recreates them too."""
+        """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
+        that differ from the plan record, a unit directory missing) are discarded and created again from their
+        plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
+        exactly those samples, bit for bit. Units that verify are not touched; a unit without commit record is
+        unfinished work, which its writer starts over. Content digests are checked by `dflash-pipeline verify
+        --repair`, which discards units whose bytes differ; this then recreates them too."""
         from dflash_pipeline.storage.verify import damaged_units
 
         damaged = damaged_units(self, version, digests=False)

@@ -176,8 +176,12 @@ def check_unit(
         shards = [
             f for f in listing if f.split("/", 1)[0] in SHARDED_ARRAYS and "/c/" in f and not f.endswith(".partial")
         ]
-        if shards:
-            problems.append(P("commit.json", f"commit record missing while {len(shards)} shard files exist (deleted?)"))
+        if shards:  # a crash (or a full disk) before the unit's first commit leaves the same: nothing counts
+            what = (
+                f"no commit record, but {len(shards)} shard files exist: nothing of this unit counts as committed "
+                "(interrupted before its first commit, or the record was deleted); a rerun extracts it again"
+            )
+            problems.append(P("commit.json", what, INCOMPLETE))
         else:
             problems.append(P("commit.json", "nothing committed yet (no commit record)", INCOMPLETE))
         return problems, 0, 0

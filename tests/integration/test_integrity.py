@@ -133,7 +133,9 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
         assert cli(["verify", str(root), "--repair"]) == 1
         assert "discarded 1 damaged units" in capsys.readouterr().out
     rerun = extract_local(tmp_path, SMALL)
-    assert sorted(rerun.plan.repaired_units) == damaged
+    # a unit without commit record is unfinished work to the planner (as after a crash before its first
+    # commit): its writer starts it over; the others are rebuilt from their plan records
+    assert sorted(rerun.plan.repaired_units) == ([] if damage == "delete_commit" else damaged)
     assert rerun.result.forward_passes == sum(batches[u] for u in damaged)  # only the damaged units
     assert_same_store(before, snapshot(Store(root), version))
     assert cli(["verify", str(root)]) == 0
