@@ -219,16 +219,64 @@ def test_reasoning_reaches_prepared_samples(clean, report, tmp_path):
     assert any(reasoning in t and "<think>" in t for t in texts)
 
 
-def test_field_form_keeps_reasoning_content(tserve, report, source, tmp_path):
-    """reasoning_form=field: the server's reasoning_content is stored in the message's reasoning_content."""
-    rows = [r for r in _lines(source) if "+" in json.dumps(r)][:2]
+# The embedded template with a Qwen3-style reasoning field: the last assistant turn's reasoning_content is rendered
+# as <think>\n...\n</think>\n\n before its content (the prompt for generation is the same as the embedded one).
+REASONING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content and loop.last -%}"
+    "{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{{- message['content'] + '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def test_reasoning_field_reaches_prepared_samples(tserve, model_dir, source, tmp_path):
+    """A target whose template reads reasoning_content: the server's reasoning_content is stored there (form
+    'auto' picks it) and the prepare stage renders it into the supervised tokens."""
+    import shutil
+
+    from dflash_pipeline import stages
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.dataprep.prepare import load_prepared
+    from dflash_pipeline.extraction.tokenizer import load_tokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(model_dir, target)
+    (target / "chat_template.jinja").write_text(REASONING_TEMPLATE)
+    base = {"output_dir": str(tmp_path / "run"), "extract.devices": "cpu", "target.model_path": str(target)}
+    report = stages.probe(load_config(overrides=base))
+    rows = [r for r in _lines(source) if "+" in json.dumps(r)][:3]
     src = tmp_path / "math.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "field.jsonl"
-    res = regenerate(str(src), out, report, _cfg(tserve, reasoning_form="field", turns="last"), fmt="messages")
+    res = regenerate(str(src), out, report, _cfg(tserve, turns="last"), fmt="messages")
     assert res.reasoning_turns >= 1
+    assert json.loads(out.with_name("field.run.json").read_text())["settings"]["reasoning_form"] == "field"
     last = [next(m for m in r["messages"][::-1] if m["role"] == "assistant") for r in _lines(out)]
-    assert any(m.get("reasoning_content") and "<think>" not in m["content"] for m in last)
+    thinking = [m for m in last if m.get("reasoning_content")]
+    assert thinking and all("<think>" not in m["content"] for m in last)
+    cfg = load_config(overrides={**base, "data.source": str(out), "data.format": "messages"})
+    ds = load_prepared(stages.prepare(cfg, report).path)
+    tok = load_tokenizer(report.tokenizer_path)
+    texts = [
+        tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m], skip_special_tokens=False)
+        for row in ds
+    ]
+    want = thinking[0]["reasoning_content"]
+    assert any(f"<think>\n{want}\n</think>\n\n" in t for t in texts), texts
+
+    # the transformers backend writes the same output (same model, greedy): same messages, same reasoning field
+    hf = tmp_path / "hf.jsonl"
+    hf_cfg = RegenerateConfig(max_new_tokens=MAX_NEW, turns="last", device="cpu")
+    regenerate(str(src), hf, report, hf_cfg, fmt="messages")
+    assert {r["id"]: r["messages"] for r in _lines(hf)} == {r["id"]: r["messages"] for r in _lines(out)}
 
 
 def test_kill_half_way_then_rerun(clean, tserve, report, source, tmp_path):
