@@ -160,6 +160,8 @@ def _message(i: int, t: dict[str, Any], reasoning: str) -> dict[str, Any]:
             msg["reasoning_content"] = think
     elif content is None or not content.strip():
         raise RowError(f"{where} content is empty", "empty content")
+    elif norm == "tool":  # some templates name the tool or the call a result answers
+        msg.update({k: t[k] for k in ("name", "tool_call_id") if isinstance(t.get(k), str)})
     msg["content"] = content
     return msg
 

@@ -449,3 +449,18 @@ def test_counts_add_up_with_max_samples(tmp_path, tokenizer):
     assert res.n_samples == 5 and res.quarantined == 1 and res.dropped == {"exact duplicate": 1}
     assert res.n_rows == res.n_samples + res.quarantined + sum(res.dropped.values()) == 7
     assert res.quarantined_by_reason == {"invalid JSON": 1} and sum(res.length_histogram.values()) == 5
+
+
+def test_prepare_summary_artifact_counts_histogram_and_share(tmp_path, tokenizer):
+    rows = [{"messages": CONV}, "{bad", {"messages": CONV}, {"messages": [{"role": "bot", "content": "x"}]}]
+    res = prepare_dataset(DataConfig(), str(_write_jsonl(tmp_path / "s.jsonl", rows)), tokenizer, tmp_path / "o")
+    from dflash_pipeline.tasks.prepare import summary_markdown  # imports Prefect, which takes over logging
+
+    md = summary_markdown(res)
+    assert "| rows read | 4 |" in md and "| kept (samples) | 1 |" in md and "| quarantined | 2 |" in md
+    assert "| quarantined: invalid JSON | 1 |" in md and "| quarantined: unknown role | 1 |" in md
+    assert "| dropped: exact duplicate | 1 |" in md
+    share = 100 * res.n_supervised_tokens / res.n_tokens
+    assert f"| supervised tokens | {res.n_supervised_tokens} ({share:.1f}%) |" in md
+    (bin_,) = res.length_histogram
+    assert f"| {bin_} | 1 |" in md and res.encoding == "utf-8"

@@ -133,6 +133,7 @@ def test_tool_calls_and_tool_turns():
         "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"c": "P"}}, "id": "c1"}],
     }
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
+    assert conv.messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 
 
 @pytest.mark.parametrize(
