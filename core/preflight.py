@@ -39,6 +39,10 @@ def preflight(cfg: RunConfig) -> None:
     from dflash_pipeline.extraction.layers import select_layer_ids
     from dflash_pipeline.extraction.modelfiles import read_model_config
 
+    if not cfg.stages:
+        raise ConfigError(
+            "stages is empty: name at least one of regenerate, prepare, probe, extract, validate, train, evaluate"
+        )
     _writable_dir(_local(cfg.output_dir), "output_dir")
     if cfg.store_path and "://" not in cfg.store_path:
         _writable_dir(_local(cfg.store_path), "store_path")
