@@ -144,7 +144,8 @@ class RegenerateConfig(Section):
         "quarantine",
         description="A conversation with a reply cut by max_new_tokens (finish_reason=length): 'keep' it (marked "
         "in the output), 'drop' it (only its id is recorded, in <output>.rejected.jsonl), or 'quarantine' it (the "
-        "whole conversation goes to <output>.rejected.jsonl, not to training).",
+        "whole conversation goes to <output>.rejected.jsonl, not to training). With drop/quarantine the openai backend "
+        "does not request the turns after a cut one.",
     )
     reasoning_form: Literal["auto", "field", "inline"] = Field(
         "auto",

@@ -13,6 +13,8 @@ serves the target, through POST {base_url}/chat/completions.
 - Start: GET {base_url}/models, waiting up to `server_wait_s` for a server that is still loading, then an error
   naming the URL; a model the server does not list is an error naming it and what the server serves.
 - Multi-turn: each assistant turn to regenerate is requested in order, the earlier regenerated turns as context.
+  Once a reply is cut by max_tokens and on_truncated is drop/quarantine, the later turns are not requested (the
+  conversation is not kept; a quarantined one keeps the dataset's later turns).
 - Reasoning: the reply's `reasoning_content` (vLLM before 0.10, SGLang, transformers serve) or `reasoning` (vLLM
   now), else a `<think>...</think>` block inside the content (a server without a reasoning parser); stored in the
   form the prepare stage renders (regen_output.assistant_message).
@@ -320,6 +322,8 @@ async def _conversation(
             return conv, replies, f"HTTP {e.status}: {e.detail}"
         conv[i] = assistant_message(r, form, conv[i])
         replies.append(r)
+        if r.truncated and client.cfg.on_truncated != "keep":
+            break  # the conversation will not be kept: spare the server its later turns
     return conv, replies, ""
 
 

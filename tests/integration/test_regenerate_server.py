@@ -448,3 +448,19 @@ def test_requests_carry_history_settings_and_extra_fields(fake, report, source, 
     assert only["messages"] == two["messages"][: a1[1]]  # the dataset's own earlier turns
     (row,) = _lines(tmp_path / "last.jsonl")
     assert row["messages"][a1[0]] == two["messages"][a1[0]] and row["messages"][a1[1]]["content"] == "word word word"
+
+
+def test_no_requests_after_a_cut_reply_that_will_not_be_kept(fake, report, source, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    url = fake("--model", "m", "--reply-tokens", "50", "--log", str(log))
+    three = next(r for r in _lines(source) if sum(m["role"] == "assistant" for m in r["messages"]) == 3)
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps(three) + "\n")
+    res = regenerate(str(src), tmp_path / "q.jsonl", report, _cfg({"url": url, "model": "m"}), fmt="messages")
+    assert res.outcomes["quarantined"] == 1 and len(_lines(log)) == 1
+    (row,) = _lines(tmp_path / "q.rejected.jsonl")
+    assert row["regen"]["finish"] == ["length"]
+    res = regenerate(
+        str(src), tmp_path / "k.jsonl", report, _cfg({"url": url, "model": "m"}, on_truncated="keep"), fmt="messages"
+    )
+    assert res.outcomes["truncated_kept"] == 1 and len(_lines(log)) == 4  # keep: every turn still regenerated
