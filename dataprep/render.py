@@ -76,11 +76,10 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def _compile(template: str):
     """transformers' own compiled template and its generation-index renderer, or None where this transformers
     version lacks them (then apply_chat_template is used: the same text, more slowly)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template, _render_with_assistant_indices
-    except ImportError:
-        return None, None
-    return _compile_jinja_template(template), _render_with_assistant_indices
+    from transformers.utils import chat_template_utils as ctu
+
+    compile_ = getattr(ctu, "_compile_jinja_template", None)
+    return (compile_(template) if compile_ else None), getattr(ctu, "_render_with_assistant_indices", None)
 
 
 def _apply(tok, messages, tools, kwargs, generation_prompt: bool = False, info: _TemplateInfo | None = None) -> str:
@@ -145,7 +144,7 @@ def _info(tok, kwargs: dict[str, Any]) -> _TemplateInfo:
     info = _TemplateInfo(
         compiled=compiled,
         template_vars={**tok.special_tokens_map, **kwargs},
-        generation_tags=with_indices is not None and bool(_GENERATION_TAG.search(template)),
+        generation_tags=compiled is not None and with_indices is not None and bool(_GENERATION_TAG.search(template)),
         generation_prompt=gen,
         header_cuts=tuple(m for m in reversed(cuts) if m >= header_min),
         specials=re.compile("|".join(map(re.escape, specials))) if specials else None,
@@ -222,8 +221,9 @@ class _Mismatch(Exception):
 
 def _assistant_span(
     text: str, k: int, msg: dict, fields: list[_Field], info: _TemplateInfo, reasoning: str
-) -> tuple[int, int, int]:
-    """(start, end, think_end) of assistant turn k in `text`; think_end > start when a think block is masked."""
+) -> tuple[int, int, int] | None:
+    """(start, end, think_end) of assistant turn k in `text` (None when the rendering does not contain the turn);
+    think_end > start when a think block is masked."""
     order = sorted(fields, key=lambda f: f.start)
     own = [f for f in order if f.msg == k]
     before = [f for f in order if f.msg < k]
@@ -238,6 +238,8 @@ def _assistant_span(
         if p >= 0:
             start = lo + p + m
             break
+    if start is None and not own:
+        return None  # the template leaves this turn out of the rendering: nothing of it to supervise
     if start is None:
         raise RowError(
             f"turn {k} (assistant): the template's assistant header {gen[: info.header_cuts[-1]]!r} does not appear "
@@ -417,7 +419,9 @@ def render(tokenizer, conv: Conversation | list[dict[str, Any]], mask_turns: str
         turns = turns[-1:]
     spans = []
     for k in turns:
-        start, end, think_end = _assistant_span(text, k, messages[k], fields, info, opts.reasoning)
-        spans.append((max(start, think_end), end))
+        found = _assistant_span(text, k, messages[k], fields, info, opts.reasoning)
+        if found is not None:
+            start, end, think_end = found
+            spans.append((max(start, think_end), end))
     ids, offsets = _tokenize(tokenizer, text, literal, info)
     return Rendered(ids, _mask(offsets, spans), text, spans)

@@ -230,3 +230,19 @@ def test_tool_results_are_never_supervised():
         r = _render(tok, "tools", {})
         assert "sunny, 21 C" in r.text and all("sunny, 21 C" not in s for s in supervised_runs(tok, r))
         assert all("get_weather" not in r.text[s:e] or "<tool_call>" in r.text[s:e] for s, e in r.spans)
+
+
+def test_turns_the_template_leaves_out_are_not_supervised_and_unlocatable_text_is_quarantined():
+    # A template that renders only the last assistant turn of the conversation.
+    last_only = (
+        "{%- for m in messages -%}{%- if m.role != 'assistant' or loop.last -%}"
+        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    tok = qwen_tokenizer(chat_template=last_only)
+    r = _render(tok, "reasoning", {})
+    assert supervised_runs(tok, r) == ["You're welcome." + IM_END]
+    # A template that rewrites the text (upper-cases it): no exact location exists, so the row is refused.
+    tok = qwen_tokenizer(chat_template=last_only.replace("m.content", "m.content | upper"))
+    with pytest.raises(RowError, match=r"renders turn 0 \(system\) content differently .* cannot be located exactly"):
+        _render(tok, "reasoning", {})
