@@ -101,7 +101,7 @@ def _api_key(cfg: RegenerateConfig) -> str | None:
 
 
 class ServerClient:
-    """The requests of one regeneration run; `stats` counts retries for the progress meter."""
+    """The requests of one regeneration run (retries are counted on the progress meter)."""
 
     def __init__(self, cfg: RegenerateConfig, meter: ProgressMeter | None = None):
         self.cfg = cfg

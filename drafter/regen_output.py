@@ -9,6 +9,7 @@ Files, for an output path `X.jsonl`:
   "failed" (the server refused that conversation, e.g. a prompt over the context length).
 - `X.run.json`: who wrote the lines: backend, server, model and every setting that changes a reply. A rerun with
   other values refuses to mix them (RegenerateMismatch names each difference).
+- `X.lock`: held (flock) by the one process writing the output; a second one stops with an error.
 
 Commit protocol: a conversation is finished when its line (ending in a newline) is in one of the two files; lines
 are appended and flushed one conversation at a time (a killed process loses at most the conversations in flight)
@@ -19,6 +20,7 @@ finished line.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -225,21 +227,33 @@ class RegenOutput:
         self.rejected_path = self.path.with_name(self.path.stem + ".rejected.jsonl")
         self.record_path = self.path.with_name(self.path.stem + ".run.json")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._check_settings(settings, server or {})
-        self.earlier = Tally()
-        self.done: set[str] = set()
-        n = 0
-        for kept, p in ((True, self.path), (False, self.rejected_path)):
-            for r in _scan(p):
-                regen = r.get("regen", {})
-                self.earlier.add(regen.get("outcome", "ok") if kept else r["outcome"], regen)
-                self.done.add(r["id"])
-                n += 1
-        if len(self.done) != n:
+        self._lock = open(self.path.with_name(self.path.stem + ".lock"), "a")
+        try:  # one writer: a second run on the same output (a stray retry, two deployments) would interleave lines
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
             raise RegenerateError(
-                f"{self.path} and {self.rejected_path} hold an id twice: they were edited or written by two runs at "
-                "once; move them away and regenerate afresh"
-            )
+                f"another process is regenerating into {self.path} right now; wait for it to finish or stop it"
+            ) from None
+        try:
+            self._check_settings(settings, server or {})
+            self.earlier = Tally()
+            self.done: set[str] = set()
+            n = 0
+            for kept, p in ((True, self.path), (False, self.rejected_path)):
+                for r in _scan(p):
+                    regen = r.get("regen", {})
+                    self.earlier.add(regen.get("outcome", "ok") if kept else r["outcome"], regen)
+                    self.done.add(r["id"])
+                    n += 1
+            if len(self.done) != n:
+                raise RegenerateError(
+                    f"{self.path} and {self.rejected_path} hold an id twice: they were edited or written by two runs "
+                    "at once; move them away and regenerate afresh"
+                )
+        except BaseException:
+            self._lock.close()
+            raise
         self.now = Tally()
         self._files = {"kept": open(self.path, "a", encoding="utf-8"), "rejected": None}
         self._last_sync = time.monotonic()
@@ -315,6 +329,7 @@ class RegenOutput:
         for f in self._files.values():
             if f is not None:
                 f.close()
+        self._lock.close()  # releases the lock
 
 
 class ProgressMeter:

@@ -135,11 +135,11 @@ def regenerate(
     else:
         server, model = {}, report.model_path
     settings = settings_record(cfg, backend=cfg.backend, model=model, source=source, fmt=fmt, split=split, form=form)
-    out = RegenOutput(out_path, settings, server)
     total = skipped = 0
     for item in _conversations(source, fmt, split, max_samples):
         total += item is not None
         skipped += item is None
+    out = RegenOutput(out_path, settings, server)
     meter = ProgressMeter(out, total, progress)
     pending = (c for c in _conversations(source, fmt, split, max_samples) if c is not None and c[0] not in out.done)
     log.info(

@@ -205,3 +205,11 @@ def test_seeds_differ_per_conversation_and_turn_and_are_stable():
 def test_extra_body_cannot_override_the_stage():
     with pytest.raises(ValidationError, match=r"extra_body sets \['messages', 'model'\]"):
         RegenerateConfig(extra_body={"model": "x", "messages": []})
+
+
+def test_one_writer_at_a_time(tmp_path):
+    out = _out(tmp_path)
+    with pytest.raises(RegenerateError, match="another process is regenerating into"):
+        _out(tmp_path)
+    out.close()
+    _out(tmp_path).close()
