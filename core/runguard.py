@@ -116,7 +116,13 @@ def _stat(pid: int) -> tuple[int, int] | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+    if fields[0] in ("Z", "X"):  # exited, unless other threads of it still run
+        try:
+            if len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                return None
+        except OSError:
+            return None
+    return int(fields[1]), int(fields[19])
 
 
 def _descendants(root: int) -> dict[int, int]:

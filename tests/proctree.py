@@ -10,12 +10,19 @@ from pathlib import Path
 def _ppid_and_cmd(pid: int) -> tuple[int, str] | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":  # a zombie has exited; only its parent's wait is missing
-        return None
+    if fields[0] in ("Z", "X"):  # exited, unless other threads of it still run (and hold its files and locks)
+        try:
+            if len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                return None
+        except OSError:
+            return None
+    try:  # a process in the middle of exiting may have no command line left, and still hold its files
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = ""
     return int(fields[1]), cmd
 
 
