@@ -464,3 +464,9 @@ def test_no_requests_after_a_cut_reply_that_will_not_be_kept(fake, report, sourc
         str(src), tmp_path / "k.jsonl", report, _cfg({"url": url, "model": "m"}, on_truncated="keep"), fmt="messages"
     )
     assert res.outcomes["truncated_kept"] == 1 and len(_lines(log)) == 4  # keep: every turn still regenerated
+
+
+def test_base_url_without_v1_is_named_with_the_fix(fake, report, source, tmp_path):
+    url = fake("--model", "m").removesuffix("/v1")
+    with pytest.raises(RegenerateError, match=r"answered 404: regenerate.base_url=.* did you mean \.\.\./v1\?"):
+        regenerate(str(source), tmp_path / "o.jsonl", report, _cfg({"url": url, "model": "m"}), fmt="messages")
