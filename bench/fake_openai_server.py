@@ -84,7 +84,8 @@ class Fake:
                 if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}":
                     status, resp = 401, {"error": {"message": "invalid or missing API key"}}
                 elif method == "GET" and path.rstrip("/") == "/v1/models":
-                    status, resp = 200, {"object": "list", "data": [{"id": self.args.model, "object": "model"}]}
+                    card = {"id": self.args.model, "object": "model", "root": self.args.root or None}
+                    status, resp = 200, {"object": "list", "data": [card]}
                 elif method == "GET" and path == "/health":
                     status, resp = 200, {"status": "ok"}
                 elif method == "POST" and path == "/v1/chat/completions":
@@ -114,6 +115,7 @@ async def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--model", default="fake")
+    ap.add_argument("--root", default="", help="the weights behind the model name (vLLM's model card 'root')")
     ap.add_argument("--reply-tokens", type=int, default=200)
     ap.add_argument("--reasoning", action="store_true")
     ap.add_argument("--fail", action="append", default=[], help="STATUS:N, the first N chat requests get STATUS")

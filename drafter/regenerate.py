@@ -135,6 +135,8 @@ def regenerate(
     else:
         server, model = {}, report.model_path
     settings = settings_record(cfg, backend=cfg.backend, model=model, source=source, fmt=fmt, split=split, form=form)
+    if server.get("card", {}).get("root"):  # vLLM names the weights behind a served name: compare those too
+        settings["model_root"] = server["card"]["root"]
     total = skipped = 0
     for item in _conversations(source, fmt, split, max_samples):
         total += item is not None

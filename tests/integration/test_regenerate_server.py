@@ -470,3 +470,16 @@ def test_base_url_without_v1_is_named_with_the_fix(fake, report, source, tmp_pat
     url = fake("--model", "m").removesuffix("/v1")
     with pytest.raises(RegenerateError, match=r"answered 404: regenerate.base_url=.* did you mean \.\.\./v1\?"):
         regenerate(str(source), tmp_path / "o.jsonl", report, _cfg({"url": url, "model": "m"}), fmt="messages")
+
+
+def test_same_served_name_other_weights_refuse_to_mix(fake, report, source, tmp_path):
+    """vLLM's model card names the weights behind --served-model-name ('root'): other weights under the same name
+    are other settings."""
+    out = tmp_path / "o.jsonl"
+    a = fake("--model", "m", "--reply-tokens", "3", "--root", "/models/qwen3-8b-v1")
+    regenerate(str(source), out, report, _cfg({"url": a, "model": "m"}), fmt="messages", max_samples=3)
+    b = fake("--model", "m", "--reply-tokens", "3", "--root", "/models/qwen3-8b-v2")
+    with pytest.raises(RegenerateMismatch, match="model_root: '/models/qwen3-8b-v1' before, '/models/qwen3-8b-v2' now"):
+        regenerate(str(source), out, report, _cfg({"url": b, "model": "m"}), fmt="messages", max_samples=3)
+    res = regenerate(str(source), out, report, _cfg({"url": a, "model": "m"}), fmt="messages")  # the same: continues
+    assert res.generated == N_CONV - 3
