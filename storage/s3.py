@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -265,6 +266,43 @@ class S3Location(Location):
         return StoreError(f"{where} cannot be {'written' if write else 'read'}: {name}: {e}")
 
 
+def _process_identity() -> dict:
+    """Who holds a lease, precisely enough to tell on the same host whether it still runs: the host, its boot,
+    the PID namespace (containers share hostnames and PIDs less often than not, but they can) and the PID."""
+
+    def read(path: str, link: bool = False) -> str | None:
+        try:
+            return os.readlink(path) if link else open(path).read().strip()
+        except OSError:
+            return None
+
+    return {
+        "host": socket.gethostname(),
+        "boot": read("/proc/sys/kernel/random/boot_id"),
+        "pidns": read("/proc/self/ns/pid", link=True),
+        "pid": os.getpid(),
+    }
+
+
+_PROCESS = _process_identity()
+
+
+def _dead_on_this_host(holder: dict | None) -> bool:
+    """True only when the holder ran on this host, boot and PID namespace and its PID is gone: then its lease
+    need not be waited out (a run resuming after a crash on one box starts at once)."""
+    if not holder or holder.get("boot") is None or holder.get("pidns") is None:
+        return False
+    if any(holder.get(k) != _PROCESS[k] for k in ("host", "boot", "pidns")):
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError, KeyError, TypeError):
+        return False
+    return False
+
+
 class _Lease:
     """An exclusive lease on a store held as one object: {"holder", "expires"}.
 
@@ -280,7 +318,7 @@ class _Lease:
         self._thread: threading.Thread | None = None
 
     def _body(self) -> bytes:
-        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl}).encode()
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl, "process": _PROCESS}).encode()
 
     def acquire(self) -> None:
         for _ in range(3):  # a lease released between our attempt and our look at it: try again
@@ -303,7 +341,8 @@ class _Lease:
         etag = self.fs.info(self.path)["ETag"]  # first the ETag, then the body: never a newer body's ETag
         current = json.loads(self.fs.cat_file(self.path))
         expires = current.get("expires", 0)
-        if expires > time.time():
+        died_here = _dead_on_this_host(current.get("process"))
+        if expires > time.time() and not died_here:
             raise self.busy(
                 f"{current.get('holder', 'unknown')}; its lease is renewed while it runs and "
                 f"expires at {_utc(expires)} if it died"
@@ -312,7 +351,8 @@ class _Lease:
             out = self.fs.pipe_file(self.path, self._body(), IfMatch=etag)
         except OSError:  # another run took it over first
             raise self.busy(f"{current.get('holder', 'unknown')} (just taken over by another run)") from None
-        log.warning("took over the store lease of %s (expired at %s)", current.get("holder"), _utc(expires))
+        why = "its process no longer runs on this host" if died_here else f"expired at {_utc(expires)}"
+        log.warning("took over the store lease of %s (%s)", current.get("holder"), why)
         return out
 
     def _heartbeat(self) -> None:

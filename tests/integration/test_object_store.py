@@ -139,14 +139,42 @@ def test_store_lease_is_exclusive_renewed_and_taken_over_when_expired(s3, monkey
     assert "took over the store lease of pid 1 on gone" in caplog.text
     assert not fs.exists(f"{BUCKET}/lease/store/.lock")
 
+    # A holder that died on this host (a crashed run being resumed on the same box): no need to wait it out.
+    dead = s3_module._PROCESS | {"pid": _exited_pid()}
+    fs.pipe_file(
+        f"{BUCKET}/lease/store/.lock",
+        json.dumps({"holder": "pid N here", "expires": time.time() + 600, "process": dead}).encode(),
+    )
+    with caplog.at_level(logging.WARNING, logger="dflash_pipeline.storage.s3"):
+        with Store(url, s3.options).lock():
+            pass
+    assert "took over the store lease of pid N here (its process no longer runs on this host)" in caplog.text
+    # ... but a live one on this host is waited for.
+    fs.pipe_file(
+        f"{BUCKET}/lease/store/.lock",
+        json.dumps({"holder": "me", "expires": time.time() + 600, "process": s3_module._PROCESS}).encode(),
+    )
+    with pytest.raises(StoreError, match=r"in use by another run \(me; its lease"):
+        with Store(url, s3.options).lock():
+            pass
+    fs.rm(f"{BUCKET}/lease/store/.lock")
+
+
+def _exited_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
 
 def test_unreachable_endpoint_fails_fast_and_says_so(s3, tmp_path):
-    from dflash_pipeline.flows.pipeline import run_stages
+    from dflash_pipeline.stages import LocalRunner, run_pipeline
 
     endpoint = f"http://127.0.0.1:{closed_port()}"
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="unreachable"):  # before the first stage
-        run_stages(
+        run_pipeline(
             load_config(
                 None,
                 {
@@ -154,7 +182,8 @@ def test_unreachable_endpoint_fails_fast_and_says_so(s3, tmp_path):
                     "store_path": f"s3://{BUCKET}/x/store",
                     "store_options": {"endpoint_url": endpoint},
                 },
-            )
+            ),
+            LocalRunner(),
         )
     assert not list(tmp_path.iterdir())
     with pytest.raises(
