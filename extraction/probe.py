@@ -30,7 +30,7 @@ GIB = 2**30
 # Storage libraries this release is tested with (CI: zarr 3.1.x on Python 3.11, the newest 3.x on 3.12). The
 # store's shard writer reads zarr's codec objects, whose shapes changed between 3.1 and 3.2 (BytesCodec.endian:
 # an enum, then a str); outside this range it is untested and refused.
-TESTED_STORAGE = {"zarr": ("3.1", "4"), "numcodecs": ("0.15", "1")}
+TESTED_STORAGE = {"zarr": ("3.1.6", "4"), "numcodecs": ("0.16", "1")}  # = pyproject.toml
 
 
 @dataclass
