@@ -5,8 +5,9 @@ end-to-end deployment test. Every started process runs in its own process group 
 `LocalPrefect.stop()` (SIGTERM to the group, SIGKILL after STOP_GRACE_S): the worker's group holds its flow-run
 processes, and their extraction workers exit when their flow-run process dies (extraction/worker_main.py).
 
-`serve` stops everything on SIGINT, SIGTERM and SIGHUP. A Prefect worker that dies (killed, OOM) is restarted
-and its runs fail on their own; only a dead server ends `serve`.
+`serve` stops everything on SIGINT, SIGTERM and SIGHUP. A Prefect worker that dies (killed, OOM) is restarted;
+its flow-run processes get SIGTERM (they end Crashed, stopping their extraction workers). Only a dead server ends
+`serve`.
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ def serve(port: int, home: str | Path | None = None) -> int:
                     flush=True,
                 )
                 lp.procs.remove(worker)
+                # Its flow-run processes are in its process group: stop them (they report Crashed and stop their
+                # extraction workers) rather than leave them orphaned, logging into a closed pipe.
+                _signal_group(worker.pid, signal.SIGTERM)
                 lp.start_worker()
     except (KeyboardInterrupt, Stop) as e:
         print(f"{e.__class__.__name__ if isinstance(e, KeyboardInterrupt) else e}: stopping", file=sys.stderr)
