@@ -32,6 +32,7 @@ from dflash_pipeline.extraction.capture import LayerCapture
 from dflash_pipeline.extraction.loader import forward_or_eager, load_compiled
 from dflash_pipeline.extraction.placement import input_device, replica_devices
 from dflash_pipeline.extraction.spec import WorkerSpec
+from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import DTYPES, to_storage
 from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers
 from dflash_pipeline.storage.store import Store
@@ -146,16 +147,18 @@ class _Runner:
     """Runs batches with out-of-memory backoff: a batch that does not fit is split in halves. If parts of the
     model are compiled (extract.compile) and compiling fails, it goes on with the eager forward."""
 
-    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype):
+    def __init__(self, capture: LayerCapture, device: str, pad_id: int, dtype: torch.dtype, precision: str = "full"):
         self.capture, self.device, self.pad_id, self.dtype = capture, device, pad_id, dtype
+        self.precision = precision
         self.cuda = device.startswith("cuda")
         self.forward_passes = 0
         self.oom_splits = 0
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def run(self, seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed rows for `seqs` (padding stripped, in order), on the device, in the storage dtype:
-        hidden [N, K, H], last [N, H] or None. On a GPU they may still be being computed."""
+    def run(self, seqs: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        """Packed rows for `seqs` (padding stripped, in order), on the device, as stored: {"hidden": [N, K, H],
+        "last_hidden": [N, H] (when captured)} in the storage dtype, or with a compact precision the quantized
+        values plus "hidden_scale" [N, K] / "last_hidden_scale" [N]. On a GPU they may still be being computed."""
         try:
             return forward_or_eager(self.capture.model, lambda: self._forward(seqs))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
@@ -171,9 +174,8 @@ class _Runner:
             self.oom_splits += 1
             mid = len(seqs) // 2
             log.warning("out of memory on %s with %d samples; splitting the batch", self.device, len(seqs))
-            h1, l1 = self.run(seqs[:mid])
-            h2, l2 = self.run(seqs[mid:])
-            return torch.cat([h1, h2]), (torch.cat([l1, l2]) if l1 is not None else None)
+            first, second = self.run(seqs[:mid]), self.run(seqs[mid:])
+            return {k: torch.cat([first[k], second[k]]) for k in first}
 
     def _forward(self, seqs: list[np.ndarray]):
         n, longest = len(seqs), max(len(s) for s in seqs)
@@ -197,11 +199,16 @@ class _Runner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         hidden, last = self.capture.packed(ids, None, rows)
-        hidden, last = hidden.to(self.dtype), (last.to(self.dtype) if last is not None else None)
+        out = {"hidden": hidden, **({"last_hidden": last} if last is not None else {})}
+        if self.precision == "full":
+            out = {k: v.to(self.dtype) for k, v in out.items()}
+        else:  # quantized here, on the device: half the bytes (or less) go down to the host
+            for k in list(out):
+                out[k], out[quant.SCALE_OF[k]] = quant.quantize(out[k], self.precision)
         if self.cuda:
             end.record()
             self._timing.append((start, end))
-        return hidden, last
+        return out
 
     def gpu_seconds(self) -> float:
         """GPU time spent in forwards so far (waits for the last one)."""
@@ -218,8 +225,7 @@ class _Batch:
     writer: UnitWriter
     unit: str
     start: int
-    hidden: torch.Tensor  # on the device, in the storage dtype
-    last: torch.Tensor | None
+    rows: dict[str, torch.Tensor]  # on the device, as stored (_Runner.run)
     ready: torch.cuda.Event | None  # recorded after the forward on the compute stream; None on CPU
     last_of_unit: bool  # once this batch is handed over, the unit's writer only drains
 
@@ -259,26 +265,26 @@ class _ToWriter:
         writer: UnitWriter,
         unit: str,
         start: int,
-        hidden: torch.Tensor,
-        last: torch.Tensor | None,
+        rows: dict[str, torch.Tensor],
         last_of_unit: bool,
     ) -> _Batch:
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()  # on the compute stream, after this batch's forward
-        return _Batch(writer, unit, start, hidden, last, event, last_of_unit)
+        return _Batch(writer, unit, start, rows, event, last_of_unit)
 
     def finish(self, b: _Batch, store_dtype: str) -> None:
-        if not self.cuda:
-            b.writer.add(
-                b.start,
-                to_storage(b.hidden, store_dtype),
-                to_storage(b.last, store_dtype) if b.last is not None else None,
-            )
+        rows = dict(b.rows)
+        if not self.cuda:  # numpy views of the stored values (bf16 as its uint16 bits, quantized as they are)
+            rows = {
+                k: to_storage(v, store_dtype) if v.is_floating_point() and "scale" not in k else v.numpy()
+                for k, v in rows.items()
+            }
+            b.writer.add(b.start, rows.pop("hidden"), rows.pop("last_hidden", None), **rows)
             return
         self.stream.wait_event(b.ready)
-        b.writer.add(b.start, b.hidden, b.last, copy=self._copy)
+        b.writer.add(b.start, rows.pop("hidden"), rows.pop("last_hidden", None), copy=self._copy, **rows)
 
     def _copy(self, dst: np.ndarray, src: torch.Tensor) -> None:
         """Rows `src` (device) into `dst` (a slice of a pinned shard buffer), bit for bit; returns once
@@ -356,7 +362,13 @@ def _extract(
             cfg.compile,
             mode,
         )
-    runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), first, pad_id, DTYPES[store_dtype][1])
+    runner = _Runner(
+        LayerCapture(model, report.layer_ids, report.capture_last),
+        first,
+        pad_id,
+        DTYPES[store_dtype][1],
+        cfg.store_precision,
+    )
     buffers_made.result()  # re-raises, e.g. too little shared memory
     for g in gpus:
         torch.cuda.reset_peak_memory_stats(g)
@@ -396,8 +408,8 @@ def _extract(
             ids = store.open_unit(version, unit)["input_ids"][:]
             for k, (a, b) in enumerate(plan):
                 seqs = [ids[starts[i] : starts[i] + lengths[i]] for i in range(a, b)]
-                hidden, last = runner.run(seqs)  # queued on the GPU
-                batch = to_writer.ready(writer, unit, starts[a], hidden, last, last_of_unit=k == len(plan) - 1)
+                rows = runner.run(seqs)  # queued on the GPU
+                batch = to_writer.ready(writer, unit, starts[a], rows, last_of_unit=k == len(plan) - 1)
                 if inflight is not None:  # the previous batch goes to its writer while this forward runs
                     hand_over(inflight)
                 inflight = batch

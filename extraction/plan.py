@@ -60,6 +60,7 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
         "layer_convention": LAYER_CONVENTION,
         "capture_last": report.capture_last,
         "logical_dtype": store_dtype(cfg, report),
+        "precision": cfg.extract.store_precision,
         "compute_dtype": report.compute_dtype,
         "tokenizer_fingerprint": tokenizer_fp,
         "template_fingerprint": template_fp,

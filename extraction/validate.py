@@ -31,7 +31,9 @@ from dflash_pipeline.config import ValidateConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.extraction.loader import decoder_layers, forward_or_eager
-from dflash_pipeline.storage.layout import DTYPES, from_storage
+from dflash_pipeline.storage import quant
+from dflash_pipeline.storage.layout import DTYPES
+from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import verify_version
 
@@ -76,7 +78,7 @@ class ValidationReport:
             for s in self.layer_stats
         )
         rec = "\n".join(
-            f"| {r['sample_id']} | {r['tokens']} | {r['max_rel_err']:.3g} | {r['tolerance']:.0e} |"
+            f"| {r['sample_id']} | {r['tokens']} | {r['max_rel_err']:.3g} | {r['tolerance']:.3g} |"
             for r in self.recomputed
         )
         return f"""# Store validation: {"PASS" if self.ok else "FAIL"} ({self.version})
@@ -111,13 +113,14 @@ def _new_acc(n: int) -> dict:
     }
 
 
-def _scan_array(arr, name, shard, logical, labels, acc, report, unit, zero_budget):
-    """Stream one array ([T, K, H], or [T, H] as K = 1) shard by shard; accumulate stats; return the first
-    offending (kind, token, label), or None. A shard that cannot be decoded is a report line."""
+def _scan_array(g, name, shard, logical, precision, labels, acc, report, unit, zero_budget):
+    """Stream one array ([T, K, H], or [T, H] as K = 1) of unit group `g` shard by shard, as a reader gets it
+    (dequantized in a compact precision); accumulate stats; return the first offending (kind, token, label),
+    or None. A shard that cannot be decoded is a report line."""
     first_bad = None
-    for s0 in range(0, arr.shape[0], shard):
+    for s0 in range(0, g[name].shape[0], shard):
         try:
-            block = from_storage(arr[s0 : s0 + shard], logical).float()
+            block = read_rows(g, name, slice(s0, s0 + shard), logical, precision).float()
         except Exception as e:  # noqa: BLE001 - any decode error is reported with its place
             report.add(
                 "readable",
@@ -183,7 +186,8 @@ def validate_store(
     try:
         attrs = store.attrs(version)
         logical, k_ids, hidden_size = attrs["logical_dtype"], list(attrs["layer_ids"]), attrs["hidden_size"]
-        stored_dtype = DTYPES[logical][0]
+        precision = attrs.get("precision", "full")
+        stored_dtype = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
     except Exception as e:  # noqa: BLE001 - damaged version attributes: nothing else can be checked
         report.add("version attributes readable", False, f"{type(e).__name__}: {e}")
         return report
@@ -237,6 +241,7 @@ def validate_store(
                 u,
                 ua,
                 logical,
+                precision,
                 stored_dtype,
                 k_ids,
                 hidden_size,
@@ -311,7 +316,7 @@ def validate_store(
 
 
 def _check_unit_arrays(
-    store, version, u, ua, logical, stored_dtype, k_ids, hidden_size, capture_last, ds, prepared_ids,
+    store, version, u, ua, logical, precision, stored_dtype, k_ids, hidden_size, capture_last, ds, prepared_ids,
     acc, acc_last, cfg, report, meta_errors, id_errors, mask_errors,
 ):  # fmt: skip
     g = store.open_unit(version, u)
@@ -323,6 +328,10 @@ def _check_unit_arrays(
     }
     if capture_last:
         expected["last_hidden"] = ((n_tok, hidden_size), stored_dtype)
+    if precision != "full":
+        expected["hidden_scale"] = ((n_tok, len(k_ids)), quant.SCALE_DTYPE)
+        if capture_last:
+            expected["last_hidden_scale"] = ((n_tok,), quant.SCALE_DTYPE)
     for name, (shape, dtype) in expected.items():
         if name not in g:
             meta_errors.append(f"{u}/{name} is missing")
@@ -340,19 +349,32 @@ def _check_unit_arrays(
                 mask_errors.append(f"sample {sid} in {u}")
     budget = cfg.max_zero_row_fraction * max(acc["n"] + n_tok, 1) * len(k_ids)
     shard = ua["shard_tokens"]
-    bad = _scan_array(g["hidden"], "hidden", shard, logical, k_ids, acc, report, u, budget)
+    bad = _scan_array(g, "hidden", shard, logical, precision, k_ids, acc, report, u, budget)
     if capture_last:
         budget_last = cfg.max_zero_row_fraction * max(acc_last["n"] + n_tok, 1)
         last_bad = _scan_array(
-            g["last_hidden"], "last_hidden", shard, logical, ["last (pre-norm)"], acc_last, report, u, budget_last
+            g, "last_hidden", shard, logical, precision, ["last (pre-norm)"], acc_last, report, u, budget_last
         )
         bad = bad or last_bad
     return bad
 
 
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _quant_bound(precision: str, scale: torch.Tensor | None, ref: torch.Tensor) -> float:
+    """The largest relative L2 error quantization can add to rows `ref` stored with these scales (0 for full
+    precision): storage/quant.py, docs/STORE.md "Compact precisions"."""
+    if scale is None:
+        return 0.0
+    return quant.error_bound(precision, scale, ref) / ref.norm().clamp_min(1e-12).item()
+
+
 @torch.inference_mode()
 def _recompute(store, version, attrs, where, cfg, model, device, report) -> None:
     logical, k_ids = attrs["logical_dtype"], attrs["layer_ids"]
+    precision = attrs.get("precision", "full")
     tol = TOLERANCE[logical]
     picks = random.Random(cfg.seed).sample(sorted(where), min(cfg.recompute_samples, len(where)))
     layers = decoder_layers(model)
@@ -369,29 +391,36 @@ def _recompute(store, version, attrs, where, cfg, model, device, report) -> None
             u, start, length = where[sid]
             g = store.open_unit(version, u)
             ids = torch.from_numpy(g["input_ids"][start : start + length].astype(np.int64))[None].to(device)
-            stored = from_storage(g["hidden"][start : start + length], logical).float()
+            sl = slice(start, start + length)
+            stored = read_rows(g, "hidden", sl, logical, precision).float()
+            scales = {a: torch.from_numpy(g[a][sl]) for a in quant.SCALE_OF.values() if a in g}
             captured.clear()
             out = forward_or_eager(
                 model, lambda ids=ids: model(input_ids=ids, output_hidden_states=True, use_cache=False)
             )
             last_ref = captured["last"][0].float().cpu()
-            errs, names = [], []
+            errs, tols, names = [], [], []
             for j, lid in enumerate(k_ids):
                 ref = last_ref if lid == last_id else out.hidden_states[lid + 1][0].float().cpu()
-                errs.append(((stored[:, j] - ref).norm() / ref.norm().clamp_min(1e-12)).item())
+                scale = scales["hidden_scale"][:, j] if scales else None
+                errs.append(_rel_err(stored[:, j], ref))
+                tols.append(tol + _quant_bound(precision, scale, ref))
                 names.append(f"{lid}" + (" (last, pre-norm)" if lid == last_id else ""))
             if "last_hidden" in g:
-                last = from_storage(g["last_hidden"][start : start + length], logical).float()
-                errs.append(((last - last_ref).norm() / last_ref.norm().clamp_min(1e-12)).item())
+                last = read_rows(g, "last_hidden", sl, logical, precision).float()
+                errs.append(_rel_err(last, last_ref))
+                tols.append(tol + _quant_bound(precision, scales.get("last_hidden_scale"), last_ref))
                 names.append("last_hidden (pre-norm)")
-            m = max(errs)
-            report.recomputed.append({"sample_id": sid, "tokens": length, "max_rel_err": m, "tolerance": tol})
-            if m > tol and worst is None:
-                j = int(np.argmax(errs))
-                worst = f"sample {sid} layer {names[j]}: relative error {m:.3g} > {tol:.0e}"
+            j = int(np.argmax([e / t for e, t in zip(errs, tols)]))
+            report.recomputed.append(
+                {"sample_id": sid, "tokens": length, "max_rel_err": max(errs), "tolerance": tols[j]}
+            )
+            if errs[j] > tols[j] and worst is None:
+                worst = f"sample {sid} layer {names[j]}: relative error {errs[j]:.3g} > {tols[j]:.3g}"
     finally:
         handle.remove()
-    report.add(f"{len(picks)} samples equal a fresh batch-1 forward", worst is None, worst or f"within {tol:.0e}")
+    within = f"within {tol:.0e}" + ("" if precision == "full" else f" + the {precision} quantization bound")
+    report.add(f"{len(picks)} samples equal a fresh batch-1 forward", worst is None, worst or within)
 
 
 def raise_if_failed(report: ValidationReport) -> None:

@@ -27,8 +27,8 @@ FORMAT_VERSION = 2
 NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
 # Arrays whose shards the extraction writes (their files are committed shard by shard); every other file of a
 # unit is written by the planner and committed with the unit's first commit record.
-SHARDED_ARRAYS = ("hidden", "last_hidden")
-ARRAYS = ("hidden", "last_hidden", "input_ids", "loss_mask")
+SHARDED_ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale")
+ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale", "input_ids", "loss_mask")
 VERSION_RECORD = "version.json"  # digests of the version attributes readers depend on
 PLANS = "plans"  # <version>/plans/<unit>.json: each unit's planned attributes, written once by the planner
 # Version attributes that readers depend on (covered by the version record's digests).
@@ -38,6 +38,7 @@ READER_ATTRS = (
     "layer_convention",
     "capture_last",
     "logical_dtype",
+    "precision",
     "compute_dtype",
     "hidden_size",
     "num_layers",
@@ -57,6 +58,15 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "float16": (np.dtype("float16"), torch.float16),
     "float32": (np.dtype("float32"), torch.float32),
 }
+
+
+def sharded_arrays(capture_last: bool, precision: str = "full") -> tuple[str, ...]:
+    """The arrays a unit of this version writes shard by shard, in SHARDED_ARRAYS order: `hidden`, with a
+    compact precision its per-row scales `hidden_scale` (storage/quant.py), and the same for `last_hidden`."""
+    names = ("hidden", "last_hidden") if capture_last else ("hidden",)
+    if precision != "full":
+        names += tuple(f"{n}_scale" for n in names)
+    return tuple(a for a in SHARDED_ARRAYS if a in names)
 
 
 def to_storage(t: torch.Tensor, logical: str) -> np.ndarray:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest
-from dflash_pipeline.storage.layout import SHARDED_ARRAYS, from_storage
+from dflash_pipeline.storage import digest, quant
+from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
 
@@ -44,7 +44,8 @@ def _shard_of(f: str) -> int | None:
 
 class HiddenStateDataset(torch.utils.data.Dataset):
     """Items: {'sample_id', 'input_ids' [T] long, 'loss_mask' [T] bool, 'hidden' [T, K, H],
-    and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype."""
+    and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype (the dtype training
+    reads; a compact store's fp8 / int8 values are dequantized into it)."""
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._raise_on(check_version_attrs(self.store, self.version))
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
+        self.precision = self.attrs.get("precision", "full")  # fp8 / int8: dequantized on read
         self.layer_ids: list[int] = self.attrs["layer_ids"]
         self.samples: list[SampleRef] = []
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
@@ -96,7 +98,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def _check_meta(self, unit: str) -> list[Problem]:
         """The unit's records and attributes (no file reads beyond them): storage.verify.check_unit without
         the file checks, which run when the unit is first opened."""
-        problems, _, _ = check_unit(self.store, self.version, unit, bool(self.attrs.get("capture_last")), None)
+        problems, _, _ = check_unit(
+            self.store, self.version, unit, bool(self.attrs.get("capture_last")), None, self.precision
+        )
         return problems
 
     def _raise_on(self, problems: list[Problem]) -> None:
@@ -163,7 +167,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if unit not in self._arrays:
             self._check_files(unit)
             g = self.store.open_unit(self.version, unit)
-            self._arrays[unit] = {k: g[k] for k in ("hidden", "last_hidden", "input_ids", "loss_mask") if k in g}
+            self._arrays[unit] = {k: g[k] for k in ARRAYS if k in g}
         return self._arrays[unit]
 
     def __getitem__(self, i: int) -> dict:
@@ -176,8 +180,17 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             "sample_id": ref.sample_id,
             "input_ids": torch.from_numpy(a["input_ids"][sl].astype("int64")),
             "loss_mask": torch.from_numpy(a["loss_mask"][sl]).bool(),
-            "hidden": from_storage(a["hidden"][sl], self.logical),
+            "hidden": read_rows(a, "hidden", sl, self.logical, self.precision),
         }
         if "last_hidden" in a:
-            item["last_hidden"] = from_storage(a["last_hidden"][sl], self.logical)
+            item["last_hidden"] = read_rows(a, "last_hidden", sl, self.logical, self.precision)
         return item
+
+
+def read_rows(arrays, name: str, sl: slice, logical: str, precision: str) -> torch.Tensor:
+    """Rows `sl` of array `name` ("hidden" or "last_hidden") of one unit (`arrays`: its zarr group, or a dict of
+    its arrays) as a tensor in the logical dtype: bit-exact for precision "full", dequantized with the rows'
+    scales (array `<name>_scale`) for fp8 / int8."""
+    if precision == "full":
+        return from_storage(arrays[name][sl], logical)
+    return quant.dequantize(arrays[name][sl], arrays[quant.SCALE_OF[name]][sl], precision, DTYPES[logical][1])

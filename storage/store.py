@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest
+from dflash_pipeline.storage import digest, quant
 from dflash_pipeline.storage.layout import (
     DTYPES,
     FORMAT_VERSION,
@@ -30,6 +30,7 @@ from dflash_pipeline.storage.layout import (
     VERSION_RECORD,
     chunking,
     compressors,
+    sharded_arrays,
 )
 from dflash_pipeline.storage.location import Location, open_location, resource_error
 
@@ -42,9 +43,16 @@ IDENTITY_KEYS = (
     "layer_ids",
     "capture_last",
     "logical_dtype",
+    "precision",
     "hidden_size",
     "format_version",
 )
+# Identity attributes that versions written before they existed lack, and the value those versions have.
+IDENTITY_DEFAULTS = {"precision": "full"}
+
+
+def _identity(attrs: dict[str, Any], key: str) -> Any:
+    return attrs.get(key, IDENTITY_DEFAULTS.get(key))
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,7 @@ class Store:
         versions = self.versions()
         for v in reversed(versions):
             attrs = self._repair_attrs(v, provenance)
-            if not all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS):
+            if not all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS):
                 continue
             if dataset_fp in attrs.get("dataset_fingerprints", []):
                 return v
@@ -137,7 +145,11 @@ class Store:
         versions = self._drop_empty_versions(versions)
         if versions and not new_version:
             last = self.attrs(versions[-1])
-            diffs = {k: (last.get(k), provenance.get(k)) for k in IDENTITY_KEYS if last.get(k) != provenance.get(k)}
+            diffs = {
+                k: (_identity(last, k), _identity(provenance, k))
+                for k in IDENTITY_KEYS
+                if _identity(last, k) != _identity(provenance, k)
+            }
             shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
             raise StoreError(
                 f"store {self.url} was made with another model or layer set ({shown}). "
@@ -332,8 +344,9 @@ class Store:
         existing = self.units(version)
         next_no = int(existing[-1][1:]) + 1 if existing else 0
         k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
+        precision = attrs.get("precision", "full")
         new_units = []
-        stored = DTYPES[logical][0]
+        stored = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
         for gi, members in enumerate(groups):
             order = sorted(members, key=lambda i: (-lengths[i], i))
             name = f"u{next_no + gi:05d}"
@@ -348,7 +361,7 @@ class Store:
                 "logical_dtype": logical,
                 "compression": compression,
             }
-            self._create_unit(version, name, plan, order, fetch, k, hidden, attrs.get("capture_last", False))
+            self._create_unit(version, name, plan, order, fetch, k, hidden, attrs.get("capture_last", False), precision)
             new_units.append(UnitInfo(name, len(order), n_tokens))
         pending = [
             self.unit_info(version, u)
@@ -408,6 +421,7 @@ class Store:
                 len(attrs["layer_ids"]),
                 attrs["hidden_size"],
                 attrs.get("capture_last", False),
+                attrs.get("precision", "full"),
             )
         return sorted(damaged)
 
@@ -422,44 +436,41 @@ class Store:
         samples = self.unit_attrs(version, unit)["samples"]
         return UnitInfo(unit, len(samples), sum(s[2] for s in samples))
 
-    def _create_unit(self, version, name, plan, order, fetch, k, hidden, capture_last) -> None:
+    def _create_unit(self, version, name, plan, order, fetch, k, hidden, capture_last, precision="full") -> None:
         """Create unit `name` as `plan` says (its attributes: samples in storage order, n_tokens, shard and
         chunk tokens, logical dtype, compression); `order` are the prepared rows of its samples, in that
         order. The plan record is written before the unit is marked planned (its last step)."""
         try:
-            self._create_unit_files(version, name, plan, order, fetch, k, hidden, capture_last)
+            self._create_unit_files(version, name, plan, order, fetch, k, hidden, capture_last, precision)
         except OSError as e:
             err = resource_error(e, self.loc.url_of(self._unit_rel(version, name)))
             if err is None:
                 raise
             raise err from e
 
-    def _create_unit_files(self, version, name, plan, order, fetch, k, hidden, capture_last) -> None:
+    def _create_unit_files(self, version, name, plan, order, fetch, k, hidden, capture_last, precision) -> None:
         logical, n_tokens = plan["logical_dtype"], plan["n_tokens"]
         chunk, shard = plan["chunk_tokens"], plan["shard_tokens"]
-        stored = DTYPES[logical][0]
+        stored = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
         rel = self._unit_rel(version, name)
         self.loc.rmtree(rel)
         g = self.loc.open_group(rel, mode="w")
-        codecs = compressors(plan["compression"], stored.itemsize)
-        g.create_array(
-            "hidden",
-            shape=(n_tokens, k, hidden),
-            chunks=(chunk, k, hidden),
-            shards=(shard, k, hidden),
-            dtype=stored,
-            compressors=codecs,
-            fill_value=0,
-        )
-        if capture_last:
-            # Same shard length along tokens as `hidden`, so one commit covers both.
+        row_shapes = {
+            "hidden": ((k, hidden), stored),
+            "last_hidden": ((hidden,), stored),
+            "hidden_scale": ((k,), quant.SCALE_DTYPE),
+            "last_hidden_scale": ((), quant.SCALE_DTYPE),
+        }
+        for array in sharded_arrays(capture_last, precision):
+            # Every sharded array has the same shard length along tokens as `hidden`, so one commit covers all.
+            row, dtype = row_shapes[array]
             g.create_array(
-                "last_hidden",
-                shape=(n_tokens, hidden),
-                chunks=(chunk, hidden),
-                shards=(shard, hidden),
-                dtype=stored,
-                compressors=codecs,
+                array,
+                shape=(n_tokens, *row),
+                chunks=(chunk, *row),
+                shards=(shard, *row),
+                dtype=dtype,
+                compressors=compressors(plan["compression"], dtype.itemsize),
                 fill_value=0,
             )
         input_ids, loss_masks = fetch(order)

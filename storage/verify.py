@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.storage import digest
-from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD
+from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
 from dflash_pipeline.storage.store import Store
 
 DAMAGED, INCOMPLETE = "damaged", "incomplete"
@@ -127,9 +127,10 @@ def _short(v: Any) -> str:
 
 
 def check_unit(
-    store: Store, version: str, unit: str, capture_last: bool, digests: bool
+    store: Store, version: str, unit: str, capture_last: bool, digests: bool, precision: str = "full"
 ) -> tuple[list[Problem], int, int]:
-    """(problems, files checked, bytes of the committed files) of one unit."""
+    """(problems, files checked, bytes of the committed files) of one unit. `precision`: the version's
+    (a compact one adds the scale arrays, whose shards are committed like the data's)."""
     rel = f"units/{unit}"
     unit_rel = f"{version}/{rel}"
     P = lambda file, what, kind=DAMAGED, array=None: Problem(  # noqa: E731
@@ -199,13 +200,12 @@ def check_unit(
     elif not rec.get("complete"):
         problems.append(P("commit.json", f"not complete: {committed} of {n_tokens} tokens committed", INCOMPLETE))
     n_shards = -(-committed // shard)
-    for array in SHARDED_ARRAYS:
-        if array == "last_hidden" and not capture_last:
-            continue
+    for array in sharded_arrays(capture_last, precision):
         listed = sum(1 for f in files if f.startswith(f"{array}/c/"))
         if listed != n_shards:
             problems.append(P(f"{array}/c", f"commit record lists {listed} shard files, {n_shards} are committed"))
-    for f in ("zarr.json", "hidden/zarr.json", "input_ids/zarr.json", "loss_mask/zarr.json"):
+    arrays = sharded_arrays(capture_last, precision)
+    for f in ("zarr.json", *(f"{a}/zarr.json" for a in arrays), "input_ids/zarr.json", "loss_mask/zarr.json"):
         if f not in files:
             problems.append(P(f, "not covered by the commit record"))
     if digests is None:
@@ -253,14 +253,15 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
     report = VerifyReport(version, store.loc.url_of(version), digests)
     report.problems += check_version_attrs(store, version)
     try:
-        capture_last = bool(store.attrs(version).get("capture_last"))
+        attrs = store.attrs(version)
+        capture_last, precision = bool(attrs.get("capture_last")), attrs.get("precision", "full")
     except Exception:  # noqa: BLE001 - reported above
-        capture_last = False
+        capture_last, precision = False, "full"
     units = sorted(set(store.units(version)) | set(store.planned_units(version)))
     report.units = len(units)
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for problems, n_files, n_bytes in pool.map(
-            lambda u: check_unit(store, version, u, capture_last, digests), units
+            lambda u: check_unit(store, version, u, capture_last, digests, precision), units
         ):
             report.problems += problems
             report.files += n_files

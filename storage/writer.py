@@ -43,7 +43,7 @@ from tenacity import before_sleep_log, retry, retry_if_exception, stop_after_att
 
 from dflash_pipeline.storage import digest
 from dflash_pipeline.storage.commit import crash_point
-from dflash_pipeline.storage.layout import DTYPES, NOTHING_COMMITTED, SHARDED_ARRAYS
+from dflash_pipeline.storage.layout import NOTHING_COMMITTED, SHARDED_ARRAYS
 from dflash_pipeline.storage.location import Location, StoreFull, is_resource_error, open_location, resource_error
 from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers, encode_shard
 
@@ -223,16 +223,15 @@ class UnitWriter:
         g = self.loc.open_group(mode="r+")
         attrs = dict(g.attrs)
         assert attrs.get("planned"), f"unit {self.loc.url} was never fully planned"
-        self.hidden = g["hidden"]
-        self.last = g["last_hidden"] if "last_hidden" in g else None
-        self._fast = {
-            "hidden": _ShardFile.for_array(self.hidden, self.loc),
-            "last": _ShardFile.for_array(self.last, self.loc) if self.last is not None else None,
-        }
+        # The arrays written shard by shard (hidden; its per-row scales in a compact precision; last_hidden and
+        # its scales when captured), each with the fast shard writer when its codec chain allows.
+        self.arrays = {a: g[a] for a in SHARDED_ARRAYS if a in g}
+        self.hidden = self.arrays["hidden"]
+        self.last = self.arrays.get("last_hidden")
+        self._fast = {a: _ShardFile.for_array(arr, self.loc) for a, arr in self.arrays.items()}
         self.n_tokens: int = attrs["n_tokens"]
         self.shard_tokens: int = attrs["shard_tokens"]
         self.samples = attrs["samples"]
-        self.stored_dtype = DTYPES[attrs["logical_dtype"]][0]
         rec = self.loc.read_json("commit.json", dict(NOTHING_COMMITTED))
         self.committed: int = rec["committed_tokens"]
         self.complete: bool = rec["complete"]
@@ -243,7 +242,7 @@ class UnitWriter:
         self._shard_files: dict[int, dict[str, dict | None]] = {}
         for rel, d in (rec.get("files") or {}).items():
             if _is_shard_file(rel):
-                arr = self.hidden if rel.startswith("hidden/") else self.last
+                arr = self.arrays[rel.split("/c/")[0]]
                 start = int(rel.split("/c/")[1].split("/")[0]) * self.shard_tokens
                 assert shard_key(arr.path, arr.metadata, start, self.shard_tokens) == rel, rel
                 self._shard_files.setdefault(start, {})[rel] = d
@@ -262,7 +261,7 @@ class UnitWriter:
         self.blocked_s = 0.0  # time the producer waited for the writer (backpressure)
         self._next = self.committed  # next absolute token position the buffer expects
         self._buf_start = self.committed
-        self._h = None  # the shard buffer being filled, taken from the pool on the first rows
+        self._views = None  # {array: the slice of its shard buffer being filled}, taken from the pool on the first rows
 
     def _planner_files(self, rec: dict) -> dict[str, dict | None]:
         if rec.get("files"):
@@ -274,10 +273,13 @@ class UnitWriter:
             files[rel] = self.loc.digest_of(rel)
         return files
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row over every sharded array, as stored (before compression)."""
+        return sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in self.arrays.values())
+
     def _remaining_bytes(self) -> int:
-        k, h = self.hidden.shape[1:]
-        row = (k * h + (h if self.last is not None else 0)) * self.stored_dtype.itemsize
-        return (self.n_tokens - self.committed) * row
+        return (self.n_tokens - self.committed) * self.row_bytes
 
     @property
     def resume_token(self) -> int:
@@ -289,17 +291,13 @@ class UnitWriter:
         """Bound on the host memory for rows in flight: (max_pending + 1) shard buffers (also the pool's
         limit in a worker, whose consecutive units share them), plus the encoded copy of each shard being
         written (at most a shard each; ~0.7 of one with zstd)."""
-        k, h = self.hidden.shape[1:]
-        row = (k * h + (h if self.last is not None else 0)) * self.stored_dtype.itemsize
-        return 2 * (self._max_pending + 1) * self.shard_tokens * row
+        return 2 * (self._max_pending + 1) * self.shard_tokens * self.row_bytes
 
     def reserve_buffers(self) -> None:
         """Allocate the shard buffers this writer can hold at once now rather than on the first shards (a
         GPU worker does it while the model loads: page-locking them takes about a second)."""
-        k, h = self.hidden.shape[1:]
-        self._buffers.reserve((self.shard_tokens, k, h), self.stored_dtype, self._max_pending + 1)
-        if self.last is not None:
-            self._buffers.reserve((self.shard_tokens, h), self.stored_dtype, self._max_pending + 1)
+        for a in self.arrays.values():
+            self._buffers.reserve((self.shard_tokens, *a.shape[1:]), a.dtype, self._max_pending + 1)
 
     @property
     def idle(self) -> bool:
@@ -308,63 +306,62 @@ class UnitWriter:
 
     def _new_buffer(self) -> None:
         size = min(self.shard_tokens, self.n_tokens - self._buf_start)
-        k, h = self.hidden.shape[1:]
-        bufs = (
-            self._buffers.get((self.shard_tokens, k, h), self.stored_dtype),
-            self._buffers.get((self.shard_tokens, h), self.stored_dtype) if self.last is not None else None,
-        )
-        self._bufs = bufs
-        self._h = bufs[0][:size]
-        self._l = bufs[1][:size] if bufs[1] is not None else None
+        self._bufs = {
+            a: self._buffers.get((self.shard_tokens, *arr.shape[1:]), arr.dtype) for a, arr in self.arrays.items()
+        }
+        self._views = {a: buf[:size] for a, buf in self._bufs.items()}
         self._fill = 0
+        self._size = size
 
-    def add(self, start: int, hidden, last=None, copy: Callable[[np.ndarray, object], None] = _copy_rows) -> None:
-        """Rows for absolute token positions [start, start + len(hidden)) in storage order. The rows are
-        copied, by `copy(dst, src)` into slices of the shard buffer (default: numpy assignment; the GPU
-        worker passes a device-to-host copy, with device tensors as `hidden`/`last`): the caller may reuse
-        its arrays as soon as this returns."""
-        assert (last is None) == (self.last is None), "last_hidden given iff the store captures it"
+    def add(
+        self, start: int, hidden, last=None, copy: Callable[[np.ndarray, object], None] = _copy_rows, **more
+    ) -> None:
+        """Rows for absolute token positions [start, start + len(hidden)) in storage order: `hidden`, `last`
+        (last_hidden) and, as keywords, the other sharded arrays the unit has (hidden_scale, last_hidden_scale).
+        The rows are copied, by `copy(dst, src)` into slices of the shard buffers (default: numpy assignment;
+        the GPU worker passes a device-to-host copy, with device tensors as the rows): the caller may reuse its
+        arrays as soon as this returns."""
+        rows = {"hidden": hidden, **({"last_hidden": last} if last is not None else {}), **more}
+        assert rows.keys() == self.arrays.keys(), f"rows for {sorted(rows)}, the unit has {sorted(self.arrays)}"
         end = start + len(hidden)
         assert start <= self._next, f"gap: expected token {self._next}, got {start}"
         if end <= self._next:
             return  # already committed before a restart
         skip = self._next - start
-        hidden = hidden[skip:]
-        last = last[skip:] if last is not None else None
-        while len(hidden):
-            if self._h is None:
+        rows = {a: r[skip:] for a, r in rows.items()}
+        left = end - self._next
+        while left:
+            if self._views is None:
                 t0 = time.monotonic()
                 self._new_buffer()  # may wait for a buffer the worker's previous unit is still writing
                 self.blocked_s += time.monotonic() - t0
-            room = len(self._h) - self._fill
-            take = min(room, len(hidden))
-            copy(self._h[self._fill : self._fill + take], hidden[:take])
-            if last is not None:
-                copy(self._l[self._fill : self._fill + take], last[:take])
-                last = last[take:]
+            take = min(self._size - self._fill, left)
+            for a, r in rows.items():
+                copy(self._views[a][self._fill : self._fill + take], r[:take])
+            rows = {a: r[take:] for a, r in rows.items()}
             self._fill += take
             self._next += take
-            hidden = hidden[take:]
-            if self._fill == len(self._h):
+            left -= take
+            if self._fill == self._size:
                 self._submit()
 
     def _submit(self) -> None:
-        start, h, last, bufs = self._buf_start, self._h, self._l, self._bufs
-        self._buf_start += len(h)
+        start, views, bufs = self._buf_start, self._views, self._bufs
+        self._buf_start += self._size
         # Wait first, then submit; the next rows take the next buffer: at most max_pending buffers are
         # being written and one is being filled.
         t0 = time.monotonic()
         self._reap(block_until=self._max_pending - 1)
         self.blocked_s += time.monotonic() - t0
-        self._pending.append(self._pool.submit(self._write_and_commit, start, h, last, bufs))
-        self._h = None
+        self._pending.append(self._pool.submit(self._write_and_commit, start, views, bufs))
+        self._views = None
 
     def _reap(self, block_until: int) -> None:
         while len(self._pending) > block_until:
             self._pending.pop(0).result()  # re-raises a write failure in the producer
 
-    def _write_and_commit(self, start: int, h: np.ndarray, last: np.ndarray | None, bufs) -> None:
-        end = start + len(h)
+    def _write_and_commit(self, start: int, views: dict[str, np.ndarray], bufs: dict[str, np.ndarray]) -> None:
+        end = start + len(views["hidden"])
 
         @retry(
             retry=retry_if_exception(lambda e: isinstance(e, OSError) and not is_resource_error(e)),
@@ -375,9 +372,8 @@ class UnitWriter:
         )
         def write() -> dict[str, dict | None]:
             written = {}
-            for name, arr, rows, buf in (("hidden", self.hidden, h, bufs[0]), ("last", self.last, last, bufs[1])):
-                if rows is None:
-                    continue
+            for name, arr in self.arrays.items():
+                rows, buf = views[name], bufs[name]
                 key = shard_key(arr.path, arr.metadata, start, self.shard_tokens)
                 if self._fast[name] is None:
                     arr[start:end] = rows
@@ -404,9 +400,8 @@ class UnitWriter:
                 raise
             raise err from e
         crash_point("after_shard_write")
-        for buf in bufs:
-            if buf is not None:
-                self._buffers.put(buf)
+        for buf in bufs.values():
+            self._buffers.put(buf)
         with self._lock:  # one commit at a time, each covering every shard written before it
             self._shard_files[start] = written
             self._written[start] = end

@@ -17,6 +17,7 @@ from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.storage.layout import ARRAYS
 from dflash_pipeline.storage.store import PlanResult, Store
 
 
@@ -85,7 +86,7 @@ def snapshot(store: Store, version: str) -> dict:
     snap = {}
     for u in store.units(version):
         g = store.open_unit(version, u)
-        snap[u] = {k: g[k][:] for k in ("hidden", "last_hidden", "input_ids", "loss_mask") if k in g}
+        snap[u] = {k: g[k][:] for k in ARRAYS if k in g}
         snap[u]["samples"] = g.attrs["samples"]
         snap[u]["commit"] = store.commit_record(version, u)
     return snap

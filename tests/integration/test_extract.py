@@ -145,8 +145,8 @@ def test_compiled_norms_match_eager_and_a_failed_compile_falls_back(model_dir, m
     seqs = [np.arange(7, 7 + n, dtype=np.int32) for n in (40, 23, 31)]
 
     def run() -> torch.Tensor:
-        hidden, last = _Runner(LayerCapture(model, [1, 3], True), "cpu", 0, torch.float32).run(seqs)
-        return torch.cat([hidden.flatten(1), last], dim=1)
+        rows = _Runner(LayerCapture(model, [1, 3], True), "cpu", 0, torch.float32).run(seqs)
+        return torch.cat([rows["hidden"].flatten(1), rows["last_hidden"]], dim=1)
 
     eager = run()
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]

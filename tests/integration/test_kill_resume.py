@@ -6,7 +6,7 @@ import pytest
 
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
-from tests.helpers import KILL_OVERRIDES, assert_same_store, forward_passes, run_extract_proc, snapshot
+from tests.helpers import KILL_OVERRIDES, assert_same_store, extract_local, forward_passes, run_extract_proc, snapshot
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,20 @@ def test_killed_extraction_resumes_bit_identical(clean_extraction, tmp_path, kil
     assert_same_store(snapshot(Store(clean.store), clean.plan.version), snapshot(store, version))
     ids = [s.sample_id for s in HiddenStateDataset(tmp_path / "store", version).samples]
     assert len(ids) == len(set(ids)) == 40  # nothing duplicated, nothing missing
+
+
+def test_killed_compact_extraction_resumes_bit_identical(model_dir, tmp_path):
+    """The same for a compact store (fp8 values + float32 scales, quantized in the worker): killed after a
+    shard write, resumed, bit-identical to an uninterrupted extraction, scales included."""
+    overrides = {**KILL_OVERRIDES, "extract.store_precision": "fp8"}
+    clean = extract_local(tmp_path / "clean", overrides)
+    killed = run_extract_proc(tmp_path / "killed", overrides, "after_shard_write:3")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run_extract_proc(tmp_path / "killed", overrides)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert forward_passes(resumed) < clean.result.forward_passes
+    store = Store(tmp_path / "killed" / "store")
+    version = store.versions()[0]
+    a, b = snapshot(Store(clean.store), clean.plan.version), snapshot(store, version)
+    assert_same_store(a, b)
+    assert all("hidden_scale" in u and "last_hidden_scale" in u for u in b.values())

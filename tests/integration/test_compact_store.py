@@ -1,0 +1,155 @@
+"""Compact precisions (extract.store_precision fp8 / int8): round trip within the documented bound, a decode with
+plain zarr + numpy exactly as docs/STORE.md describes it, validation of a compact store (and of a damaged
+scale), and a version never mixing precisions."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import quant
+from dflash_pipeline.storage.reader import HiddenStateDataset
+from dflash_pipeline.storage.store import Store
+from tests.helpers import extract_local
+
+OVERRIDES = {
+    "data.max_samples": 24,
+    "layers.preset": "explicit",
+    "layers.ids": [1, 2, 3],
+    "layers.capture_last": True,
+    "extract.unit_tokens": 1200,
+}
+
+
+@pytest.fixture(scope="module")
+def stores(model_dir, tmp_path_factory):
+    """The same samples extracted at full precision (float32 on CPU) and in each compact precision."""
+    root = tmp_path_factory.mktemp("compact")
+    return {p: extract_local(root / p, {**OVERRIDES, "extract.store_precision": p}) for p in ("full", "fp8", "int8")}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_round_trip_within_the_documented_bound(stores, precision):
+    """Each row read back is within quant.error_bound of the full-precision row (the same forward, same batches:
+    the compact store holds exactly Q(x) of the x the full store holds), and the data takes 1 byte a value."""
+    full, compact = HiddenStateDataset(stores["full"].store), HiddenStateDataset(stores[precision].store)
+    assert compact.precision == precision and len(compact) == len(full) == 24
+    worst = 0.0
+    for i in range(len(compact)):
+        got = compact[i]
+        ref = full[full.index_of(got["sample_id"])]
+        assert got["hidden"].dtype == ref["hidden"].dtype == torch.float32  # dequantized into the logical dtype
+        assert torch.equal(got["input_ids"], ref["input_ids"])
+        g = Store(compact.store.url).open_unit(compact.version, compact.samples[i].unit)
+        sl = slice(compact.samples[i].start, compact.samples[i].start + compact.samples[i].length)
+        scales = torch.from_numpy(g["hidden_scale"][sl])
+        for j in range(3):
+            x, xq = ref["hidden"][:, j], got["hidden"][:, j]
+            err = float((xq - x).norm())
+            assert err <= quant.error_bound(precision, scales[:, j], x) * (1 + 1e-5) + 1e-6
+            worst = max(worst, err / float(x.norm()))
+        last_scale = torch.from_numpy(g["last_hidden_scale"][sl])
+        err = float((got["last_hidden"] - ref["last_hidden"]).norm())
+        assert err <= quant.error_bound(precision, last_scale, ref["last_hidden"]) * (1 + 1e-5) + 1e-6
+    assert 0 < worst < (0.0625 if precision == "fp8" else 0.02)
+    assert g["hidden"].dtype == quant.STORED[precision] and g["hidden_scale"].dtype == np.float32
+
+
+def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
+    """docs/STORE.md, "Compact precisions", followed with zarr and numpy only (no torch, no dflash_pipeline)."""
+    import zarr
+
+    g = zarr.open_group(str(version_dir), mode="r")
+    precision = g.attrs["precision"]
+    b = np.arange(256)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    table = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    table = np.where((b & 0x7F) == 0x7F, np.nan, np.where(b & 0x80, -table, table)).astype(np.float32)
+    out = {}
+    for name, unit in g["units"].groups():
+        commit = json.loads((version_dir / "units" / name / "commit.json").read_text())
+        for sid, start, length in unit.attrs["samples"]:
+            if start + length > commit["committed_tokens"]:
+                continue
+            q = unit["hidden"][start : start + length]
+            s = unit["hidden_scale"][start : start + length]
+            values = table[q] if precision == "fp8" else q.astype(np.float32)
+            out[sid] = values * s[..., None]
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_third_party_decode_with_plain_zarr_equals_the_reader(stores, precision):
+    store = Store(stores[precision].store)
+    version = store.current() or store.versions()[-1]
+    decoded = _decode_as_documented(Path(stores[precision].store) / version)
+    ds = HiddenStateDataset(stores[precision].store)
+    assert len(decoded) == len(ds)
+    for i in range(len(ds)):
+        item = ds[i]
+        np.testing.assert_array_equal(decoded[item["sample_id"]], item["hidden"].numpy())
+
+
+def test_e4m3_table_is_torchs_float8_e4m3fn():
+    ref = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(quant.e4m3fn_table(), ref, equal_nan=True)
+
+
+def test_nonfinite_and_zero_rows_stay_visible():
+    """A NaN or infinite row dequantizes to non-finite values (validation reports them), a zero row to zeros."""
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, math.nan, 2.0], [math.inf, 1.0, 0.0], [3.0, -4.0, 0.5]])
+    for p in ("fp8", "int8"):
+        back = quant.dequantize(*quant.quantize(x, p), p)
+        assert torch.equal(back[0], torch.zeros(3)) and not torch.isfinite(back[1:3]).all(-1).any()
+        assert torch.isfinite(back[3]).all() and back[3, 1] == -4.0
+
+
+def test_validation_passes_and_reports_a_corrupted_scale(stores, model_dir, tmp_path):
+    """A compact store passes validation, the recompute check included (within its quantization bound); a scale
+    shard whose bytes changed fails it, naming the scale array and file."""
+    import shutil
+
+    from dflash_pipeline.config import ValidateConfig
+    from dflash_pipeline.extraction.loader import load_target
+    from dflash_pipeline.extraction.validate import validate_store
+
+    ex = stores["fp8"]
+    model = load_target(model_dir, "dtype", "float32", "cpu")
+    cfg = ValidateConfig(recompute_samples=3)
+    report = validate_store(ex.store, ex.plan.version, ex.prepared, cfg, model=model)
+    assert report.ok, report.failures
+    assert all(0 < r["max_rel_err"] <= r["tolerance"] for r in report.recomputed)
+    assert max(r["tolerance"] for r in report.recomputed) > 1e-4  # the fp8 bound was added to float32's
+
+    copy = tmp_path / "store"
+    shutil.copytree(ex.store, copy)
+    unit = sorted((copy / ex.plan.version / "units").iterdir())[0]
+    shard = next(p for p in (unit / "hidden_scale" / "c").rglob("*") if p.is_file())
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    bad = validate_store(Store(copy), ex.plan.version, ex.prepared, cfg, model=model)
+    assert not bad.ok
+    assert any("array hidden_scale" in f and "differs" in f for f in bad.failures), bad.failures
+    with pytest.raises(StoreError, match="hidden_scale"):
+        ds = HiddenStateDataset(copy, verify="digests")
+        for i in range(len(ds)):
+            ds[i]
+
+
+def test_another_precision_never_mixes_into_a_version(stores):
+    """Rerunning a store with another precision is refused (or, with extract.new_version, a new version)."""
+    out = Path(stores["fp8"].cfg.output_dir)
+    with pytest.raises(StoreError, match="precision"):
+        extract_local(out, {**OVERRIDES, "extract.store_precision": "int8"})
+    again = extract_local(out, {**OVERRIDES, "extract.store_precision": "int8", "extract.new_version": True})
+    store = Store(again.store)
+    assert again.plan.version != stores["fp8"].plan.version
+    assert store.attrs(again.plan.version)["precision"] == "int8"
+    assert store.attrs(stores["fp8"].plan.version)["precision"] == "fp8"
