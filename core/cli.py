@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dflash_pipeline.serve import serve
 
     try:
-        return serve(args.port, args.home)
+        return serve(args.port, args.home, database=args.database, host=args.host)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     sv.add_argument("--port", type=int, default=4200)
     sv.add_argument("--home", help="Prefect's home (database, logs); default $PREFECT_HOME or ~/.prefect")
+    sv.add_argument(
+        "--database",
+        metavar="URL",
+        help="the server's PostgreSQL database, postgresql://USER:PASSWORD@HOST:PORT/DB (needs the [postgres] extra); "
+        "default $PREFECT_SERVER_DATABASE_CONNECTION_URL, else SQLite under the Prefect home",
+    )
+    sv.add_argument(
+        "--host", default="127.0.0.1", help="the server's address: 0.0.0.0 lets workers on other machines connect"
+    )
     sv.set_defaults(fn=cmd_serve)
     sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
     sc.set_defaults(fn=cmd_show_config)

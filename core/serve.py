@@ -8,6 +8,10 @@ processes, and their extraction workers exit when their flow-run process dies (e
 `serve` stops everything on SIGINT, SIGTERM and SIGHUP. A Prefect worker that dies (killed, OOM) is restarted;
 its flow-run processes get SIGTERM (they end Crashed, stopping their extraction workers). Only a dead server ends
 `serve`.
+
+The server's database is SQLite under the Prefect home (one person, one box) unless a PostgreSQL URL is given
+(`serve --database`, or Prefect's own PREFECT_SERVER_DATABASE_CONNECTION_URL / PREFECT_API_DATABASE_CONNECTION_URL):
+the team setup, where one server takes many workers' runs. The URL is checked before the server starts.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,69 @@ SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_LOGGER_ENABLED": "false",
 }
+
+
+DATABASE_ENV = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
+def database_url(url: str | None = None) -> str | None:
+    """The PostgreSQL URL the server is to use, in the form Prefect takes (`postgresql+asyncpg://`): `url`, else
+    Prefect's own setting from the environment; None = Prefect's default (SQLite under PREFECT_HOME). A plain
+    `postgresql://` or `postgres://` URL (what psql and most tools print) gets the async driver Prefect needs."""
+    url = url or next((os.environ[k] for k in DATABASE_ENV if os.environ.get(k)), None)
+    if not url:
+        return None
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise PipelineError(
+            f"--database {url!r} is not a URL; give postgresql://USER:PASSWORD@HOST:PORT/DATABASE "
+            "(or leave it out for SQLite)"
+        )
+    if scheme in ("postgres", "postgresql", "postgresql+asyncpg"):
+        return f"postgresql+asyncpg://{rest}"
+    if scheme.startswith("sqlite"):
+        return url
+    raise PipelineError(
+        f"--database {redact(url)}: unsupported scheme {scheme!r}; Prefect's server runs on PostgreSQL "
+        "(postgresql://USER:PASSWORD@HOST:PORT/DATABASE) or SQLite (the default: leave --database out)"
+    )
+
+
+def redact(url: str) -> str:
+    """`url` with its password replaced by ***, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_database(url: str, timeout: float = 10.0) -> None:
+    """Connect once to a PostgreSQL URL (asyncpg, the driver Prefect's server uses) and raise one clear line
+    naming the URL and the fix when that fails, instead of a server that dies with a traceback in its log."""
+    if not url.startswith("postgresql"):
+        return
+    try:
+        import asyncpg
+    except ImportError:
+        raise PipelineError(
+            "a PostgreSQL database needs the asyncpg driver: pip install 'dflash-pipeline[postgres]'"
+        ) from None
+    import asyncio
+
+    async def connect():
+        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1), timeout=timeout)
+        await conn.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(connect(), timeout + 5))
+    except Exception as e:  # noqa: BLE001 - any failure to connect is the user's to fix, with this message
+        reason = f"{type(e).__name__}: {e}".strip().rstrip(":")
+        raise PipelineError(
+            f"the database {redact(url)} is unreachable ({reason}). Start PostgreSQL, create the user and database "
+            "(README: 'One box (SQLite) or a team (PostgreSQL)'), or fix --database or "
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+        ) from None
 
 
 class Stop(Exception):  # noqa: N818 - a request, not an error
@@ -62,6 +130,8 @@ def check_api(url: str, timeout: float = 5.0) -> None:
 class LocalPrefect:
     port: int = 4200
     home: Path | None = None  # PREFECT_HOME; None = the user's default
+    database: str | None = None  # the server's PostgreSQL URL (see `database_url`); None = SQLite under home
+    host: str = "127.0.0.1"  # the server's bind address: 0.0.0.0 for workers on other machines
     # Where flow runs start, so relative paths in a run's config resolve as they would for `dflash-pipeline run`.
     workdir: Path = field(default_factory=Path.cwd)
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -79,10 +149,12 @@ class LocalPrefect:
             "DO_NOT_TRACK": "1",
             "DFLASH_WORKDIR": str(self.workdir),
             "PREFECT_WORKER_QUERY_SECONDS": "2",
-            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_HOST": self.host,
         }
         if self.home:
             env["PREFECT_HOME"] = str(self.home)
+        if self.database:
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = self.database
         return env
 
     def _prefect(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -111,7 +183,9 @@ class LocalPrefect:
         return p
 
     def start_server(self, timeout: float = 120) -> None:
-        p = self._spawn("server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port))
+        if self.database:
+            check_database(self.database)
+        p = self._spawn("server", "server", "start", "--host", self.host, "--port", str(self.port))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if p.poll() is not None:
@@ -187,18 +261,20 @@ def _raise_stop(signum, frame) -> None:
     raise Stop(signal.Signals(signum).name)
 
 
-def serve(port: int, home: str | Path | None = None) -> int:
+def serve(port: int, home: str | Path | None = None, database: str | None = None, host: str = "127.0.0.1") -> int:
     """`dflash-pipeline serve`: everything for the UI path, until Ctrl-C, SIGTERM or SIGHUP."""
     home = Path(home).expanduser().absolute() if home else None
-    lp = LocalPrefect(port=port, home=home)
+    lp = LocalPrefect(port=port, home=home, database=database_url(database), host=host)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         lp.start_server()
         lp.apply_deployments()
         lp.start_worker()
+        where = home or os.environ.get("PREFECT_HOME", "~/.prefect")
+        db = redact(lp.database) if lp.database else f"SQLite under {where}"
         print(
-            f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url}; Prefect home "
-            f"{home or os.environ.get('PREFECT_HOME', '~/.prefect')}; logs under {lp.log_dir})\n"
+            f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url}; database {db}; Prefect home "
+            f"{where}; logs under {lp.log_dir})\n"
             f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC)\n"
             f"trigger: PREFECT_API_URL={lp.api_url} prefect deployment run 'dflash-pipeline/extract-only' "
             "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops server and worker.",
