@@ -82,6 +82,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The pre-flight plan (core/planner.py): samples and tokens kept, store size, GPU-hours, room on the disk.
+    Exit 0 when the store fits, 1 when it does not, 2 on a user error."""
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.errors import PipelineError
+
+    try:
+        cfg = load_config(args.config, args.set)
+        from dflash_pipeline.preflight import preflight
+
+        preflight(cfg)
+        from dflash_pipeline import stages
+
+        cfg = stages.resolve_paths(cfg)
+        report = stages.probe(cfg)
+        prepared = stages.prepare(cfg, report)  # written under output_dir/prepared: `run` reuses it
+        est = stages.estimate(cfg, report, prepared)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print("\n".join(est.lines()))
+    if not est.fits:
+        hint = "run refuses to start" if cfg.plan.disk_check else "plan.disk_check=false: run would start anyway"
+        print(f"the store does not fit ({hint})", file=sys.stderr)
+    return 0 if est.fits else 1
+
+
 def cmd_build_default(args: argparse.Namespace) -> int:
     from dflash_pipeline.embedded.build import ensure_built
 
@@ -152,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks (Prefect's and ours) for user errors")
     run.set_defaults(fn=cmd_run)
+    pl = sub.add_parser(
+        "plan",
+        help="pre-flight plan of a run (same config as run): samples and tokens kept, store size, GPU-hours, disk room",
+    )
+    pl.add_argument("--config", help="YAML config file (see configs/default.yaml)")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    pl.add_argument("--json", action="store_true", help="print the figures as JSON")
+    pl.set_defaults(fn=cmd_plan)
     b = sub.add_parser("build-default", help="build the embedded tiny target and tokenizer, print its path")
     b.set_defaults(fn=cmd_build_default)
     sv = sub.add_parser(

@@ -241,6 +241,36 @@ class ExtractConfig(Section):
     )
 
 
+class PlanConfig(Section):
+    """The pre-flight plan (`dflash-pipeline plan`, and `run` before extraction): core/planner.py."""
+
+    disk_check: bool = Field(
+        True,
+        description="Refuse to start extraction when the planned store does not fit the free space of its disk. "
+        "false: start anyway (a full disk then stops the extraction with an error; a rerun resumes).",
+    )
+    disk_quota_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Space the store may take on its disk (GiB), e.g. a quota the filesystem's free space does "
+        "not show; null = the free space of the store's filesystem.",
+    )
+    gpu: str = Field(
+        "auto",
+        description="GPU type the GPU-hours are estimated for ('H200', 'H100', 'A100', ...); 'auto' = the "
+        "first visible GPU.",
+    )
+    calibration: Literal["auto", "forward", "synthetic"] = Field(
+        "auto",
+        description="Rows the bytes per token are measured on: 'forward' = the target's own hidden states "
+        "(extraction on the CPU), 'synthetic' = Gaussian rows with log-normal channel scales; 'auto' = forward "
+        "for targets up to 2 GiB of weights.",
+    )
+    calibration_tokens: int = Field(
+        4096, ge=1, description="Tokens of randomly picked prepared samples written to measure bytes per token."
+    )
+
+
 class ValidateConfig(Section):
     recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
     seed: int = 0
@@ -266,6 +296,7 @@ class RunConfig(Section):
     target: TargetConfig = TargetConfig()
     layers: LayersConfig = LayersConfig()
     extract: ExtractConfig = ExtractConfig()
+    plan: PlanConfig = PlanConfig()
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
     regenerate: RegenerateConfig = RegenerateConfig()
     train: TrainConfig = TrainConfig()

@@ -5,8 +5,8 @@ Prefect. `run_pipeline(cfg, runner)` is the order: flows/pipeline.py passes a ru
 Prefect tasks (artifacts, retries, one task per device), tests and benchmarks pass `LocalRunner`, which calls
 the stage functions directly. So a change to the pipeline's shape is made here, once.
 
-    probe -> [regenerate] -> prepare -> plan -> extract (one worker per device) -> validate -> promote CURRENT
-    -> prune -> train -> evaluate
+    probe -> [regenerate] -> prepare -> estimate (disk check) -> plan -> extract (one worker per device)
+    -> validate -> promote CURRENT -> prune -> train -> evaluate
 """
 
 from __future__ import annotations
@@ -114,6 +114,14 @@ def plan(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanRe
     return plan_extraction(cfg, report, prepared, tokenizer_fingerprint(tok), template_fingerprint(tok))
 
 
+def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult):
+    """The pre-flight plan's figures (core/planner.py): samples and tokens kept, store size calibrated on a
+    sample, GPU-hours from recorded throughputs, room on the store's disk. Returns StoreEstimate."""
+    from dflash_pipeline.planner import estimate as plan_estimate
+
+    return plan_estimate(cfg, report, prepared, store_dtype(cfg, report))
+
+
 def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices: list[str] | None = None):
     """One WorkerSpec per device (or split replica), pending units balanced by tokens."""
     devices = devices or report.replicas
@@ -217,6 +225,7 @@ class RunSummary:
     regenerated: str | None = None
     prepared: str | None = None
     version: str | None = None
+    planned_store_bytes: int | None = None  # the pre-flight plan's store size (core/planner.py)
     units: int | None = None
     new_units: int | None = None
     new_samples: int | None = None
@@ -241,6 +250,7 @@ class Runner(Protocol):
     def probe(self, cfg: RunConfig) -> ProbeReport: ...
     def regenerate(self, cfg: RunConfig, report: ProbeReport) -> RegenerateResult: ...
     def prepare(self, cfg: RunConfig, report: ProbeReport) -> PrepareResult: ...
+    def estimate(self, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult): ...
     def plan(self, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult: ...
     def extract(self, cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]: ...
     def validate(
@@ -269,6 +279,9 @@ class LocalRunner:
 
     def prepare(self, cfg, report):
         return self._keep("prepare", prepare(cfg, report))
+
+    def estimate(self, cfg, report, prepared):
+        return self._keep("estimate", estimate(cfg, report, prepared))
 
     def plan(self, cfg, report, prepared):
         return self._keep("plan", plan(cfg, report, prepared))
@@ -313,6 +326,12 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
     if stages & {"prepare", "extract", "validate"}:
         prepared = runner.prepare(cfg, report)
         summary.prepared = prepared.path
+    if "extract" in stages:  # before any GPU work: refuse a store its disk cannot hold (plan.disk_check)
+        from dflash_pipeline.planner import check_room
+
+        est = runner.estimate(cfg, report, prepared)
+        summary.planned_store_bytes = est.store_bytes
+        check_room(est, cfg)
     if stages & {"extract", "validate"}:
         with store.lock():  # one run per store at a time, whichever deployment started it
             summary.previous_current = store.current()

@@ -38,6 +38,7 @@ from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.tasks.common import artifact_key, run_logger
 from dflash_pipeline.tasks.drafter import evaluate_task, regenerate_task, train_task
 from dflash_pipeline.tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
+from dflash_pipeline.tasks.preflight import estimate_task
 from dflash_pipeline.tasks.prepare import prepare_task
 from dflash_pipeline.tasks.probe import probe_task
 from dflash_pipeline.tasks.validate import validate_task
@@ -137,6 +138,7 @@ class PrefectRunner:
     train = staticmethod(train_task)
     evaluate = staticmethod(evaluate_task)
     regenerate = staticmethod(regenerate_task)
+    estimate = staticmethod(estimate_task)
 
     @staticmethod
     def extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:

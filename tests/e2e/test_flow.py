@@ -52,6 +52,7 @@ def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_
     assert {
         "prepared-dataset",
         "compat-probe",
+        "preflight-plan",
         "extract-throughput",
         "extract-progress-cpu",
         "validation",

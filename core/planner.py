@@ -1,0 +1,431 @@
+"""The pre-flight plan: what a run will keep, how much disk its store takes, how many GPU-hours its extraction
+and training take, and whether the output disk has room (`dflash-pipeline plan`; `run` computes the same and
+refuses to start extraction when the store does not fit, unless plan.disk_check=false).
+
+Store size = tokens x bytes per token measured on a calibration sample (plus each unit's metadata files): a few
+thousand tokens of the prepared dataset, picked at random, are written into a scratch store by the pipeline's
+own planner and writer, with the run's precision, store dtype, compression and chunking, and the bytes of the
+files that result are counted. The rows written are the target's real hidden states (the extraction worker on
+the CPU) when the target's weights are small (plan.calibration=auto: under CALIBRATE_FORWARD_MAX_GIB), else
+synthetic ones: Gaussian values with log-normal per-channel scales (sigma 0.5) in the store dtype, the
+statistics of hidden states that decide how well they compress (bf16: exponent byte compressible, mantissa not).
+
+GPU-hours come from throughputs recorded in bench/RESULTS.md and ../shared/DESIGN.md on one H200 (RECORDED),
+scaled by the parameters a token passes through and by the GPU's dense bf16 peak (GPU_PEAK_TFLOPS).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.extraction.modelfiles import read_model_config
+from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.storage import quant
+from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
+from dflash_pipeline.storage.store import Store
+
+CALIBRATE_FORWARD_MAX_GIB = 2.0  # plan.calibration=auto runs the real target on the CPU up to this size
+
+# Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+@dataclass(frozen=True)
+class Recorded:
+    what: str
+    tokens_per_s: float
+    gpu: str
+    params_per_token: float  # parameters a token passes through (extraction) or the scaling basis (training)
+    source: str
+
+
+def _dense_layer(h: int, inter: int, heads: int, kv: int, hd: int) -> float:
+    return h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * inter
+
+
+# The 8B shape runs layers 0..33 (ids [1, 9, 17, 25, 33], early stop); the 27B hybrid layers 0..61.
+_P8B = 34 * _dense_layer(4096, 12288, 32, 8, 128)
+_GDN27 = 5120 * (2 * 16 * 128 + 2 * 48 * 128) + 5120 * 2 * 48 + 48 * 128 * 5120 + 3 * 5120 * 17408
+_FULL27 = 5120 * 24 * 256 * 3 + 2 * 5120 * 4 * 256 + 3 * 5120 * 17408
+_P27B = 47 * _GDN27 + 15 * _FULL27
+RECORDED = {
+    "dense": Recorded(
+        "Qwen3-8B shape (dense, 5 layers captured), pipeline defaults",
+        40887,
+        "H200",
+        _P8B,
+        "bench/RESULTS.md, session 3, run 13 (b)",
+    ),
+    "hybrid": Recorded(
+        "Qwen3.6-27B shape (Gated DeltaNet hybrid), pipeline defaults",
+        8758,
+        "H200",
+        _P27B,
+        "bench/RESULTS.md, session 3, run 13 (b)",
+    ),
+    "train": Recorded(
+        "DFlash drafter of the 8B shape (5 draft layers, hidden 4096, block 16, 512 anchors, batch 1)",
+        5000,
+        "H200",
+        5 * 4096**2,
+        "../shared/DESIGN.md section 9 (bench/multi_gpu_bench.py, step 420)",
+    ),
+}
+
+
+@dataclass
+class StoreEstimate:
+    """The plan's figures (what `dflash-pipeline plan` prints and `run` publishes as an artifact)."""
+
+    samples: int
+    tokens: int
+    supervised_tokens: int
+    rows_read: int
+    quarantined: int
+    dropped: dict[str, int]
+    precision: str
+    logical_dtype: str
+    compression: str
+    layers: list[int]
+    hidden_size: int
+    capture_last: bool
+    raw_bf16_bytes_per_token: int  # hidden (+ last) in bf16, uncompressed: the reference the issue measures by
+    bytes_per_token: float  # calibrated, on disk (data, scales, ids, mask)
+    metadata_bytes_per_sample: float  # zarr.json files (sample tables), plan and commit records
+    units: int
+    store_bytes: int
+    calibration: str
+    store: str
+    already_committed_tokens: int
+    needed_bytes: int
+    free_bytes: int | None
+    free_source: str
+    fits: bool
+    gpu: str | None
+    gpu_source: str
+    extract_tokens_per_s: float | None = None
+    extract_gpu_hours: float | None = None
+    train_tokens_per_s: float | None = None
+    train_gpu_hours: float | None = None
+    throughput_basis: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def of_raw_bf16(self) -> float:
+        return self.bytes_per_token / self.raw_bf16_bytes_per_token
+
+    def lines(self) -> list[str]:
+        gib = 2**30
+        hours = (
+            f"extraction {self.extract_gpu_hours:.3g} GPU-hours ({self.extract_tokens_per_s:,.0f} tokens/s per "
+            f"{self.gpu}), training {self.train_gpu_hours:.3g} GPU-hours ({self.train_tokens_per_s:,.0f} tokens/s)"
+            if self.extract_gpu_hours is not None
+            else f"not estimated ({self.gpu_source})"
+        )
+        free = f"{self.free_bytes / gib:,.2f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
+        room = (
+            f"{'fits' if self.fits else 'DOES NOT FIT'}: needs {self.needed_bytes / gib:,.3f} GiB, {free}"
+            if self.free_bytes is not None
+            else f"not checked ({self.free_source})"
+        )
+        return [
+            f"data: {self.samples:,} samples kept of {self.rows_read:,} rows read ({self.quarantined:,} quarantined, "
+            f"dropped {self.dropped or 'none'}); {self.tokens:,} tokens, {self.supervised_tokens:,} supervised",
+            f"store: layers {self.layers} x hidden {self.hidden_size}{' + last' if self.capture_last else ''}, "
+            f"precision {self.precision} ({self.logical_dtype} on read), compression {self.compression}",
+            f"bytes per token: {self.bytes_per_token:,.1f} on disk = {self.of_raw_bf16:.3f} of raw bf16 "
+            f"({self.raw_bf16_bytes_per_token:,}); calibrated: {self.calibration}",
+            f"store size: {self.store_bytes / gib:,.3f} GiB ({self.store_bytes:,} bytes, {self.units} units) "
+            f"at {self.store}",
+            f"disk: {room}",
+            f"GPU ({self.gpu or '-'}, {self.gpu_source}): {hours}",
+            *(f"throughput basis: {b}" for b in self.throughput_basis),
+            *(f"note: {n}" for n in self.notes),
+        ]
+
+    def to_markdown(self) -> str:
+        return "# Pre-flight plan\n\n" + "\n".join(f"- {line}" for line in self.lines()) + "\n"
+
+
+# ---- calibration ------------------------------------------------------------------------------------------
+def _pick(lengths: list[int], tokens: int, seed: int = 0) -> list[int]:
+    """Random prepared rows until `tokens` tokens are picked (at least one)."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    picked, total = [], 0
+    for i in order:
+        if picked and total >= tokens:
+            break
+        picked.append(i)
+        total += lengths[i]
+    return picked
+
+
+def _synthetic_rows(n: int, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    channel = torch.exp(0.5 * torch.randn(shape, generator=gen))
+    return (torch.randn((n, *shape), generator=gen) * channel).to(dtype)
+
+
+def _write_synthetic(store: Store, version: str, unit: str, report: ProbeReport, logical: str, precision: str):
+    from dflash_pipeline.storage.writer import UnitWriter
+
+    w = UnitWriter(store.unit_location(version, unit))
+    gen = torch.Generator().manual_seed(0)
+    k, h, dtype = len(report.layer_ids), report.hidden_size, DTYPES[logical][1]
+    try:
+        for s0 in range(0, w.n_tokens, 4096):
+            n = min(4096, w.n_tokens - s0)
+            rows = {"hidden": _synthetic_rows(n, (k, h), dtype, gen)}
+            if report.capture_last:
+                rows["last_hidden"] = _synthetic_rows(n, (h,), dtype, gen)
+            if precision == "full":
+                out = {a: to_storage(r, logical) for a, r in rows.items()}
+            else:
+                out = {}
+                for a, r in rows.items():
+                    q, s = quant.quantize(r, precision)
+                    out[a], out[quant.SCALE_OF[a]] = q.numpy(), s.numpy()
+            w.add(s0, out.pop("hidden"), out.pop("last_hidden", None), **out)
+        w.finish()
+    finally:
+        w.close()
+
+
+def _file_bytes(root: Path) -> tuple[int, int]:
+    """(bytes of data chunks and shards, bytes of every other file) under a store version."""
+    data = meta = 0
+    for p in root.rglob("*"):
+        if p.is_file():
+            if "/c/" in p.relative_to(root).as_posix() or p.relative_to(root).as_posix().startswith("c/"):
+                data += p.stat().st_size
+            else:
+                meta += p.stat().st_size
+    return data, meta
+
+
+def calibrate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> tuple[float, float, str]:
+    """(data bytes per token, metadata bytes per sample, how it was measured): a calibration sample written into
+    a scratch store as the run would write it (see the module doc). Metadata (zarr.json files with the sample
+    tables, plan and commit records) is counted per sample: it grows with the sample tables."""
+    from dflash_pipeline.extraction.extract import run_worker
+    from dflash_pipeline.extraction.spec import WorkerSpec
+
+    x, precision = cfg.extract, cfg.extract.store_precision
+    ds = load_prepared(prepared.path)
+    lengths = list(ds["seq_len"])
+    rows = _pick(lengths, cfg.plan.calibration_tokens)
+    mode = cfg.plan.calibration
+    if mode == "auto":
+        mode = "forward" if report.weights_gib <= CALIBRATE_FORWARD_MAX_GIB else "synthetic"
+    scratch = Path(tempfile.mkdtemp(prefix="dflash-plan-"))
+    try:
+        store = Store(scratch / "store")
+        prov = {
+            "format_version": FORMAT_VERSION,
+            "layer_ids": report.layer_ids,
+            "hidden_size": report.hidden_size,
+            "capture_last": report.capture_last,
+            "logical_dtype": logical,
+            "precision": precision,
+            "compute_dtype": report.compute_dtype,
+        }
+        version = store.resolve_version(prov, prepared.fingerprint, new_version=False, incremental=False)
+        sub = ds.select(rows)
+
+        def fetch(idx: list[int]):
+            part = sub.select(idx)
+            return part["input_ids"], part["loss_mask"]
+
+        ids, lens = list(sub["sample_id"]), list(sub["seq_len"])
+        plan = store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+        unit = plan.new_units[0].name
+        if mode == "forward":
+            spec = WorkerSpec(
+                store_root=str(store.url),
+                version=version,
+                units=[unit],
+                report=replace(report, replicas=["cpu"]),
+                extract=x.model_copy(update={"store_writers": "threads", "compile": "off"}),
+                store_dtype=logical,
+                device="cpu",
+                threads=os.cpu_count() or 1,
+            )
+            run_worker(spec)
+            how = "the target's own hidden states (extraction on the CPU)"
+        else:
+            _write_synthetic(store, version, unit, report, logical, precision)
+            how = "synthetic rows (Gaussian, log-normal channel scales)"
+        data, meta = _file_bytes(scratch / "store" / version)
+        n = plan.new_units[0].n_tokens
+        return data / n, meta / len(rows), f"{how}, {len(rows)} samples, {n:,} tokens, written with the run's settings"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ---- GPU-hours ---------------------------------------------------------------------------------------------
+def params_per_token(report: ProbeReport) -> float:
+    """Parameters of the decoder layers a token passes through during extraction (up to the highest captured
+    layer: the forward stops there), from the checkpoint's config.json; MoE layers count their active experts."""
+    mc = read_model_config(report.model_path)
+    t = mc.get("text_config") or mc
+    h, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    kv, hd = int(t.get("num_key_value_heads", heads)), int(t.get("head_dim") or h // heads)
+    inter = int(t.get("intermediate_size") or 0)
+    if t.get("num_experts_per_tok"):
+        inter = int(t.get("moe_intermediate_size") or inter) * int(t["num_experts_per_tok"])
+        inter += int(t.get("shared_expert_intermediate_size") or 0)
+    run = report.num_layers if report.capture_last else max(report.layer_ids) + 1
+    total = 0.0
+    for kind in report.layer_types[:run]:
+        if kind == "linear_attention":
+            nk, nv = int(t.get("linear_num_key_heads", 16)), int(t.get("linear_num_value_heads", 32))
+            dk, dv = int(t.get("linear_key_head_dim", 128)), int(t.get("linear_value_head_dim", 128))
+            total += h * (2 * nk * dk + 2 * nv * dv) + h * 2 * nv + nv * dv * h + 3 * h * inter
+        else:
+            total += _dense_layer(h, inter, heads, kv, hd)
+    return total
+
+
+def _gpu_name(cfg: RunConfig, report: ProbeReport) -> tuple[str | None, str]:
+    if cfg.plan.gpu != "auto":
+        name = cfg.plan.gpu
+        return name, "named by plan.gpu"
+    gpus = [d.kind for d in report.devices if d.name.startswith("cuda")]
+    if not gpus:
+        return None, "no GPU visible here; name the GPU the run will use with plan.gpu (e.g. H100)"
+    return gpus[0], f"detected: {len(gpus)} x {gpus[0]}"
+
+
+def _peak(name: str) -> float | None:
+    key = next((k for k in GPU_PEAK_TFLOPS if k.lower() in name.lower()), None)
+    return GPU_PEAK_TFLOPS[key] if key else None
+
+
+# ---- the estimate ------------------------------------------------------------------------------------------
+def _free_bytes(cfg: RunConfig) -> tuple[int | None, str]:
+    if cfg.plan.disk_quota_gib is not None:
+        return int(cfg.plan.disk_quota_gib * 2**30), "plan.disk_quota_gib"
+    if "://" in cfg.store:
+        return None, "object storage: its free space is not known here"
+    p = Path(cfg.store)
+    existing = next((a for a in (p, *p.parents) if a.exists()), Path("/"))
+    return shutil.disk_usage(existing).free, f"free space of the filesystem of {existing}"
+
+
+def _committed_tokens(cfg: RunConfig) -> int:
+    """Tokens the store's newest version already committed (a resumed run writes only the rest)."""
+    if "://" not in cfg.store and not Path(cfg.store).exists():
+        return 0
+    try:
+        store = Store(cfg.store, cfg.store_options)
+        versions = store.versions()
+        if not versions:
+            return 0
+        return sum(store.commit_record(versions[-1], u).get("committed_tokens", 0) for u in store.units(versions[-1]))
+    except (OSError, ValueError):
+        return 0
+
+
+def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> StoreEstimate:
+    """Every figure of the plan; nothing here touches a GPU."""
+    per_token, sample_meta, how = calibrate(cfg, report, prepared, logical)
+    tokens, k, h = prepared.n_tokens, len(report.layer_ids), report.hidden_size
+    units = max(1, math.ceil(tokens / cfg.extract.unit_tokens))
+    store_bytes = int(per_token * tokens + sample_meta * prepared.n_samples)
+    committed = min(_committed_tokens(cfg), tokens)
+    needed = int(store_bytes * (tokens - committed) / max(tokens, 1))
+    free, free_source = _free_bytes(cfg)
+    gpu, gpu_source = _gpu_name(cfg, report)
+    notes = []
+    if cfg.regenerate.enabled:
+        notes.append(
+            "regenerate is on: the figures count the replies of data.source; the regenerated replies "
+            f"(at most regenerate.max_new_tokens={cfg.regenerate.max_new_tokens} tokens each) replace them"
+        )
+    if committed:
+        notes.append(f"{committed:,} tokens are already committed in the store: only the rest is written")
+    est = StoreEstimate(
+        samples=prepared.n_samples,
+        tokens=tokens,
+        supervised_tokens=prepared.n_supervised_tokens,
+        rows_read=prepared.n_rows,
+        quarantined=prepared.quarantined,
+        dropped=dict(prepared.dropped),
+        precision=cfg.extract.store_precision,
+        logical_dtype=logical,
+        compression=cfg.extract.compression,
+        layers=list(report.layer_ids),
+        hidden_size=h,
+        capture_last=report.capture_last,
+        raw_bf16_bytes_per_token=2 * h * (k + (1 if report.capture_last else 0)),
+        bytes_per_token=store_bytes / max(tokens, 1),
+        metadata_bytes_per_sample=sample_meta,
+        units=units,
+        store_bytes=store_bytes,
+        calibration=how,
+        store=cfg.store,
+        already_committed_tokens=committed,
+        needed_bytes=needed,
+        free_bytes=free,
+        free_source=free_source,
+        fits=free is None or needed <= free,
+        gpu=gpu,
+        gpu_source=gpu_source,
+        notes=notes,
+    )
+    peak = _peak(gpu) if gpu else None
+    if gpu and peak is None:
+        est.gpu_source += f"; no recorded peak for {gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"
+    elif peak:
+        rec = RECORDED["hybrid" if "linear_attention" in report.layer_types else "dense"]
+        scale = peak / GPU_PEAK_TFLOPS[rec.gpu]
+        est.extract_tokens_per_s = rec.tokens_per_s * rec.params_per_token / params_per_token(report) * scale
+        est.extract_gpu_hours = tokens / est.extract_tokens_per_s / 3600
+        tr = RECORDED["train"]
+        n_draft = cfg.train.num_draft_layers or k
+        est.train_tokens_per_s = tr.tokens_per_s * tr.params_per_token / (n_draft * h * h) * scale
+        epochs = cfg.train.epochs
+        est.train_gpu_hours = tokens * epochs / est.train_tokens_per_s / 3600
+        if params_per_token(report) < 0.5e9:
+            est.notes.append(
+                "the target is small: its speed is bound by per-batch overheads, not by FLOPs, so the GPU-hours "
+                "scaled from large targets are a lower bound"
+            )
+        est.throughput_basis = [
+            f"extraction: {rec.tokens_per_s:,} tokens/s recorded on one {rec.gpu} for the {rec.what} ({rec.source}), "
+            f"scaled by parameters per token ({rec.params_per_token / 1e9:.2f}B there, "
+            f"{params_per_token(report) / 1e9:.3g}B here) and bf16 peak ({peak:g} / {GPU_PEAK_TFLOPS[rec.gpu]:g} "
+            "TFLOP/s)",
+            f"training: {tr.tokens_per_s:,} tokens/s recorded on one {tr.gpu} for the {tr.what} ({tr.source}), "
+            f"scaled by draft layers x hidden^2 ({n_draft} x {h}^2) and bf16 peak; {epochs:g} epochs",
+        ]
+    return est
+
+
+def check_room(est: StoreEstimate, cfg: RunConfig) -> None:
+    """Raise StoreError when the store cannot fit (unless plan.disk_check is off)."""
+    if est.fits or not cfg.plan.disk_check:
+        return
+    gib = 2**30
+    raise StoreError(
+        f"the store needs about {est.needed_bytes / gib:,.3f} GiB ({est.tokens:,} tokens x "
+        f"{est.bytes_per_token:,.0f} bytes, precision {est.precision}, compression {est.compression}) but "
+        f"{cfg.store} has {est.free_bytes / gib:,.3f} GiB ({est.free_source}). Free space, choose another "
+        "store_path, set extract.store_precision=fp8 (about half of bf16), or start anyway with "
+        "plan.disk_check=false (the extraction then stops with an error when the disk is full, and resumes "
+        "once there is room)"
+    )

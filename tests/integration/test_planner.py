@@ -1,0 +1,68 @@
+"""The pre-flight plan (core/planner.py, `dflash-pipeline plan`): its store size against the real store, and
+`run` refusing a store its disk cannot hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.storage.store import Store
+from tests.helpers import config
+
+
+def _bytes_under(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("full", "float32"), ("full", "bfloat16"), ("fp8", "bfloat16"), ("int8", "bfloat16")]
+)
+def test_estimate_is_within_10_percent_of_the_real_store(model_dir, tmp_path, precision, dtype):
+    cfg = config(
+        tmp_path,
+        {
+            "stages": ["prepare", "extract"],
+            "data.max_samples": 120,
+            "extract.store_precision": precision,
+            "extract.store_dtype": dtype,
+        },
+    )
+    runner = LocalRunner()
+    summary = run_pipeline(cfg, runner)
+    est = runner.results["estimate"]
+    real = _bytes_under(Path(cfg.store) / summary.version)
+    assert summary.planned_store_bytes == est.store_bytes
+    assert abs(est.store_bytes - real) / real < 0.10, (est.store_bytes, real, est.calibration)
+    assert est.samples == 120 and est.tokens == runner.results["prepare"].n_tokens
+    assert "target's own hidden states" in est.calibration  # the tiny target: real rows, not synthetic
+    assert est.fits and est.free_bytes > 0 and est.gpu is None  # CPU here: no GPU-hours, said why
+    assert any("plan.gpu" in line for line in est.lines())
+
+
+def test_run_refuses_a_store_the_disk_cannot_hold(model_dir, tmp_path):
+    """With a 1 MiB quota the ~8 MB store does not fit: no version is created, nothing extracted; the documented
+    override (plan.disk_check=false) starts anyway."""
+    small = {"stages": ["prepare", "extract"], "data.max_samples": 120, "plan.disk_quota_gib": 1 / 1024}
+    with pytest.raises(StoreError, match=r"plan.disk_check=false") as e:
+        run_pipeline(config(tmp_path, small), LocalRunner())
+    assert "GiB" in str(e.value) and "store_precision=fp8" in str(e.value)
+    assert not Store(tmp_path / "store").versions()
+    summary = run_pipeline(config(tmp_path, {**small, "plan.disk_check": False}), LocalRunner())
+    assert summary.tokens_extracted > 0
+
+
+def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, capsys):
+    """`dflash-pipeline plan` with the run's config and overrides; GPU-hours for a named GPU, from the recorded
+    H200 throughputs; exit status 1 when the store does not fit."""
+    from dflash_pipeline.cli import main
+
+    args = ["plan", "--set", f"output_dir={tmp_path}", "--set", "data.max_samples=40", "--set", "extract.devices=cpu"]
+    assert main([*args, "--set", "plan.gpu=H100", "--set", "extract.store_precision=fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "40 samples kept" in out and "precision fp8" in out and "GPU-hours" in out
+    assert "tokens/s recorded on one H200" in out and "bench/RESULTS.md" in out
+    assert main([*args, "--set", "plan.disk_quota_gib=0.0001"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
