@@ -155,6 +155,7 @@ def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: st
         "layer_convention": LAYER_CONVENTION,
         "capture_last": report.capture_last,
         "logical_dtype": dtype_name,
+        "precision": cfg.extract.store_precision,
         "compute_dtype": report.compute_dtype,
     }
     store = Store(root)

@@ -51,6 +51,8 @@ from common import (
 )
 from instruments import Sampler, flops, linear_flops_per_token, matmul_peak, pss_bytes, rss_bytes, sync
 
+from dflash_pipeline.storage.layout import SHARDED_ARRAYS
+
 GIB = 2**30
 
 
@@ -148,7 +150,7 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
     loop_wall = r.tokens / r.tokens_per_s
     rss_peak, pss_peak, util = sampler.window(t_end - loop_wall, t_end)
     vdir = Path(store.url) / version / "units"
-    stored = sum(dir_bytes(p) for p in vdir.rglob("hidden")) + sum(dir_bytes(p) for p in vdir.rglob("last_hidden"))
+    stored = sum(dir_bytes(p) for a in SHARDED_ARRAYS for p in vdir.rglob(a))  # data and, if compact, scales
     return {
         "tokens": r.tokens,
         "seconds": loop_wall,
@@ -171,6 +173,28 @@ def measure_pipeline(store, version, units, report, cfg, device, dtype_name, sam
         "oom_splits": r.oom_splits,
         "store_writers": f"{threads or default_store_writers(device, procs)} {cfg.extract.store_writers}",
     }
+
+
+def measure_read(store, version: str, n_tokens: int, seed: int = 0) -> dict:
+    """What training's data loader does per sample, in one process: HiddenStateDataset.__getitem__ (every
+    committed file's size checked at first open, chunks decompressed, a compact store dequantized into the
+    logical dtype) over samples in random order until n_tokens are read; the files were just written, so
+    they come from the page cache (the same for every precision)."""
+    import random
+
+    from dflash_pipeline.storage.reader import HiddenStateDataset
+
+    ds = HiddenStateDataset(store.url, version)
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    toks, t0 = 0, time.monotonic()
+    for i in order:
+        item = ds[i]
+        toks += item["hidden"].shape[0]
+        if toks >= n_tokens:
+            break
+    wall = time.monotonic() - t0
+    return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "dtype": str(item["hidden"].dtype)}
 
 
 def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
@@ -390,6 +414,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
     b["mfu"] = total_flops / b["seconds"] / 1e12 / peak_tflops
     b["check_first_batch"] = check_first_batch(store, version, units[0], first, dtype_name)
+    if args.read_tokens:
+        b["read"] = measure_read(store, version, args.read_tokens)
     res["b"] = b
     log(f"{shape}: (b) {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, {json.dumps(b)}")
 
@@ -425,6 +451,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         finally:
             sys.setswitchinterval(old_switch)
         vb["variant"] = spec
+        if args.read_tokens:
+            vb["read"] = measure_read(vstore, vversion, args.read_tokens)
         res.setdefault("b_variants", []).append(vb)
         log(
             f"{shape}: (b) variant {spec}: {vb['tokens_per_s']:.0f} tok/s, {vb['bytes_per_token']:.0f} B/token, "
@@ -466,6 +494,7 @@ def main():
     )
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
+    p.add_argument("--read-tokens", type=int, default=0, help="after each (b): reader tokens/s over this many tokens")
     p.add_argument("--conv-kernel", default="auto", help="extract.conv_kernel: auto, fla or transformers")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
@@ -551,8 +580,11 @@ def summary(results):
         for v in r.get("b_variants", []):
             print(
                 f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "
-                f"writer wait {v['writer_wait_s']:.2f} s"
+                f"writer wait {v['writer_wait_s']:.2f} s, GPU busy {v['gpu_busy']}, copy wait {v['copy_wait_s']:.2f} s"
+                + (f", read {v['read']['tokens_per_s']:.0f} tok/s" if "read" in v else "")
             )
+        if "read" in b:
+            print(f"[{shape}] b read {b['read']['tokens_per_s']:.0f} tok/s ({b['read']['dtype']})")
 
 
 if __name__ == "__main__":
