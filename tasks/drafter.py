@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+from pathlib import Path
+
 from prefect import task
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -88,6 +91,9 @@ def train_task(cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult
     return result
 
 
+MAX_INLINE_PLOT = 2_000_000  # bytes of PNG put into an artifact (a 7x4 in plot at 100 dpi is ~30 kB)
+
+
 def _publish_training(r: TrainResult) -> None:
     every = max(1, len(r.history) // 50)
     create_table_artifact(
@@ -95,6 +101,15 @@ def _publish_training(r: TrainResult) -> None:
         table=r.history[::every] + r.history[-1:],
         description=f"loss curve (plot: {r.plot_path})",
     )
+    plot = Path(r.plot_path) if r.plot_path else None
+    if plot is not None and plot.is_file() and plot.stat().st_size <= MAX_INLINE_PLOT:
+        # Inline (a data: URI): the UI shows it wherever the browser is; a file:// image would not load there.
+        png = base64.b64encode(plot.read_bytes()).decode()
+        create_markdown_artifact(
+            key=artifact_key("train-loss-curve"),
+            description="loss curve",
+            markdown=f"![loss curve](data:image/png;base64,{png})\n\n`{plot}`\n",
+        )
     create_markdown_artifact(
         key=artifact_key("train-summary"),
         description="drafter training",
