@@ -1,0 +1,58 @@
+"""The e2e layer's PostgreSQL: one throwaway cluster per session, and `dflash-pipeline serve` on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.pgserver import ThrowawayPostgres, missing_reason
+from tests.serving import LOAD_SERVER_ENV, serve
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL cluster (initdb + pg_ctl into a temp dir, owned by an unprivileged user when we are root,
+    on a free loopback port), stopped and removed at the end of the session, on failure and on Ctrl-C too.
+    fsync is off: nothing in it outlives the session."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with ThrowawayPostgres(fsync=False) as pg:
+        yield pg
+
+
+@pytest.fixture(scope="session")
+def pg_server(postgres, tmp_path_factory, model_dir):
+    """`dflash-pipeline serve --database postgresql://...` (server, work pool, deployments, a worker) on a fresh
+    database of the session's cluster; shared by the PostgreSQL deployment, load and browser tests."""
+    url = postgres.create_database("prefect")
+    with serve(tmp_path_factory.mktemp("pg_prefect_home"), database=url, env=LOAD_SERVER_ENV) as lp:
+        lp.database_url = url
+        print(f"serve on PostgreSQL: up in {lp.startup_s:.0f} s")
+        yield lp
+
+
+# A full run that trains for two steps: every artifact the project publishes, in seconds of CPU.
+FULL_TINY = {
+    "data.max_samples": 8,
+    "extract.devices": "cpu",
+    "layers.num_draft_layers": 2,
+    "validate.recompute_samples": 0,
+    "train.max_steps": 2,
+    "train.block_size": 4,
+    "train.anchors_per_sample": 8,
+    "train.num_workers": 0,
+    "evaluate.num_prompts": 1,
+    "evaluate.max_new_tokens": 4,
+}
+
+
+@pytest.fixture(scope="session")
+def pg_full_run(pg_server, tmp_path_factory):
+    """The `full` deployment, triggered the README's way (`prefect deployment run -p overrides=...`), finished on
+    the PostgreSQL-backed server: (server, flow run, output dir)."""
+    from tests.serving import wait_final
+
+    out = tmp_path_factory.mktemp("pg_full")
+    run_id = pg_server.run_deployment("full", {**FULL_TINY, "output_dir": str(out)})
+    (fr,) = wait_final(pg_server, [run_id], timeout=600)
+    return pg_server, fr, out
