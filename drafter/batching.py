@@ -28,6 +28,10 @@ def collate(items: list[dict]) -> dict:
     has_last = all("last_hidden" in it for it in items)
     if has_last:
         out["last_hidden"] = torch.zeros(b, t, h, dtype=items[0]["last_hidden"].dtype)
+    # A compact store read with dequantize=False: the rows' scales (padding gets scale 0, so it stays 0).
+    scales = [s for s in ("hidden_scale", "last_hidden_scale") if s in items[0] and (has_last or s == "hidden_scale")]
+    for s in scales:
+        out[s] = torch.zeros(b, t, *items[0][s].shape[1:], dtype=items[0][s].dtype)
     for i, it in enumerate(items):
         n = len(it["input_ids"])
         out["input_ids"][i, :n] = it["input_ids"]
@@ -35,7 +39,25 @@ def collate(items: list[dict]) -> dict:
         out["hidden"][i, :n] = it["hidden"].reshape(n, k * h)
         if has_last:
             out["last_hidden"][i, :n] = it["last_hidden"]
+        for s in scales:
+            out[s][i, :n] = it[s]
     return out
+
+
+def states(batch: dict, name: str, precision: str, logical: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """batch[name] ('hidden' [B, T, K*H] or 'last_hidden' [B, T, H]) in `dtype`. A compact store's stored values
+    are dequantized here, where the batch is (on the GPU in training), with batch[name + '_scale'], into the
+    store's logical dtype first: exactly the values HiddenStateDataset returns when it dequantizes."""
+    x, scale = batch[name], batch.get(f"{name}_scale")
+    if scale is None:
+        return x.to(dtype)
+    from dflash_pipeline.storage.quant import dequantize
+
+    if x.dim() == scale.dim():  # hidden [B, T, K*H] with scales [B, T, K]
+        bsz, t, kh = x.shape
+        k = scale.shape[-1]
+        return dequantize(x.view(bsz, t, k, kh // k), scale, precision, logical).view(bsz, t, kh).to(dtype)
+    return dequantize(x, scale, precision, logical).to(dtype)
 
 
 def sample_anchors(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors
+from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors, states
 from dflash_pipeline.drafter.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_report
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
@@ -87,7 +87,8 @@ def _build(
     from dflash_pipeline.extraction.modelfiles import read_model_config
     from dflash_pipeline.storage.reader import HiddenStateDataset
 
-    ds = HiddenStateDataset(store_root, version, store_options)
+    # A compact store's rows go to the device as stored (half the bytes) and are dequantized there (_micro_step).
+    ds = HiddenStateDataset(store_root, version, store_options, dequantize=False)
     if len(ds) == 0:
         raise ConfigError(f"the store {store_root} (version {ds.version}) holds no committed samples to train on")
     if cfg.distill and "last_hidden" not in ds[0]:
@@ -135,13 +136,16 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
     with contextlib.nullcontext() if sync else job.ddp.no_sync():  # forward and backward inside
         with autocast:
             out = job.ddp(
-                b["hidden"].to(job.compute),
+                states(b, "hidden", job.ds.precision, job.ds.logical_torch, job.compute),
                 job.head.embed(blk["block_ids"]),
                 ctx_pos,
                 blk["block_pos"],
                 job.model.block_masks(anchors, keep, t, job.flex),
             )
-            loss, stats = block_loss(out, job.head, blk, b["last_hidden"].to(job.compute) if cfg.distill else None)
+            last = (
+                states(b, "last_hidden", job.ds.precision, job.ds.logical_torch, job.compute) if cfg.distill else None
+            )
+            loss, stats = block_loss(out, job.head, blk, last)
         (loss * scale).backward()
     return loss.item(), stats
 

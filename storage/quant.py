@@ -31,6 +31,7 @@ PRECISIONS = ("full", "fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
 # The Zarr data type of the quantized values: fp8 as its raw bits (numpy has no float8), int8 as is.
 STORED = {"fp8": np.dtype("uint8"), "int8": np.dtype("int8")}
+STORED_TORCH = {"fp8": torch.uint8, "int8": torch.int8}
 SCALE_DTYPE = np.dtype("float32")
 # Arrays holding each captured array's per-row scales (same token axis and shards as the data).
 SCALE_OF = {"hidden": "hidden_scale", "last_hidden": "last_hidden_scale"}

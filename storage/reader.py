@@ -54,6 +54,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         store_options: dict | None = None,
         verify: str = "sizes",
         partial: bool = False,
+        dequantize: bool = True,
     ):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
@@ -61,7 +62,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         unit is first opened; costs a directory listing per unit and process) or "digests" (also their
         content: each shard is read once more the first time a sample in it is read). `partial`: read the
         committed samples of units not yet complete (a version being extracted); by default every planned unit
-        must be complete."""
+        must be complete. `dequantize=False` (a compact store only): items hold the stored values as they are
+        ('hidden' uint8 e4m3 bits or int8) plus 'hidden_scale' [T, K] (and 'last_hidden_scale' [T]), for a
+        consumer that dequantizes on its GPU (training does: half the bytes to copy, no CPU decoding)."""
         if verify not in ("sizes", "digests"):
             raise ValueError(f"verify={verify!r}: use 'sizes' or 'digests'")
         self.store = Store(store_root, store_options)
@@ -74,6 +77,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
         self.precision = self.attrs.get("precision", "full")  # fp8 / int8: dequantized on read
+        self.dequantize = dequantize or self.precision == "full"
+        self.logical_torch = DTYPES[self.logical][1]  # the dtype of the values this dataset stands for
         self.layer_ids: list[int] = self.attrs["layer_ids"]
         self.samples: list[SampleRef] = []
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
@@ -180,10 +185,15 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             "sample_id": ref.sample_id,
             "input_ids": torch.from_numpy(a["input_ids"][sl].astype("int64")),
             "loss_mask": torch.from_numpy(a["loss_mask"][sl]).bool(),
-            "hidden": read_rows(a, "hidden", sl, self.logical, self.precision),
         }
-        if "last_hidden" in a:
-            item["last_hidden"] = read_rows(a, "last_hidden", sl, self.logical, self.precision)
+        for name in ("hidden", "last_hidden"):
+            if name not in a:
+                continue
+            if self.dequantize:
+                item[name] = read_rows(a, name, sl, self.logical, self.precision)
+            else:  # as stored, with the rows' scales
+                item[name] = torch.from_numpy(a[name][sl])
+                item[quant.SCALE_OF[name]] = torch.from_numpy(a[quant.SCALE_OF[name]][sl])
         return item
 
 

@@ -153,3 +153,32 @@ def test_another_precision_never_mixes_into_a_version(stores):
     assert again.plan.version != stores["fp8"].plan.version
     assert store.attrs(again.plan.version)["precision"] == "int8"
     assert store.attrs(stores["fp8"].plan.version)["precision"] == "fp8"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_training_dequantizes_on_its_device_to_the_readers_values(stores, precision):
+    """Training reads a compact store as stored (half the bytes to its device, no CPU decoding) and dequantizes
+    in the batch: the same values the reader returns when it dequantizes; a couple of steps train."""
+    from dflash_pipeline.drafter.batching import collate, states
+
+    store, version = stores[precision].store, stores[precision].plan.version  # (a later version may exist)
+    raw, deq = HiddenStateDataset(store, version, dequantize=False), HiddenStateDataset(store, version)
+    bq, b = collate([raw[i] for i in range(4)]), collate([deq[i] for i in range(4)])
+    assert bq["hidden"].dtype == quant.STORED_TORCH[precision] and bq["hidden_scale"].dtype == torch.float32
+    for name in ("hidden", "last_hidden"):
+        assert torch.equal(states(bq, name, precision, raw.logical_torch, torch.float32), b[name].float())
+
+
+def test_a_drafter_trains_from_a_compact_store(stores, tmp_path):
+    from dflash_pipeline import stages
+
+    ex = stores["fp8"]
+    cfg = ex.cfg.model_copy(
+        update={
+            "train": ex.cfg.train.model_copy(
+                update={"max_steps": 2, "num_workers": 0, "output_dir": str(tmp_path), "distill": True}
+            )
+        }
+    )
+    result = stages.train(cfg, ex.report, ex.plan.version)
+    assert math.isfinite(result.final_loss) and (tmp_path / "export" / "config.json").exists()
