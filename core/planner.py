@@ -252,25 +252,39 @@ def calibrate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logi
 
         ids, lens = list(sub["sample_id"]), list(sub["seq_len"])
         plan = store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
-        unit = plan.new_units[0].name
+        unit, n = plan.new_units[0].name, plan.new_units[0].n_tokens
+        fallback = ""
         if mode == "forward":
+            # On the CPU: the GPU-only kernels a GPU run's report may name are swapped for their portable twins.
+            attn = report.attn_implementation
+            cpu_report = replace(
+                report,
+                replicas=["cpu"],
+                conv_kernel="transformers",
+                attn_implementation="sdpa" if attn and "flash" in attn else attn,
+            )
             spec = WorkerSpec(
                 store_root=str(store.url),
                 version=version,
                 units=[unit],
-                report=replace(report, replicas=["cpu"]),
+                report=cpu_report,
                 extract=x.model_copy(update={"store_writers": "threads", "compile": "off"}),
                 store_dtype=logical,
                 device="cpu",
                 threads=os.cpu_count() or 1,
             )
-            run_worker(spec)
-            how = "the target's own hidden states (extraction on the CPU)"
-        else:
+            try:
+                run_worker(spec)
+                how = "the target's own hidden states (extraction on the CPU)"
+            except Exception as e:  # noqa: BLE001 - a plan must not fail on its calibration: say so, use synthetic
+                fallback = f" (the CPU forward failed: {type(e).__name__}: {str(e)[:200]})"
+                mode = "synthetic"
+                store.discard_units(version, [unit])  # recreated empty from its plan record
+                store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+        if mode != "forward":
             _write_synthetic(store, version, unit, report, logical, precision)
-            how = "synthetic rows (Gaussian, log-normal channel scales)"
+            how = "synthetic rows (Gaussian, log-normal channel scales)" + fallback
         data, meta = _file_bytes(scratch / "store" / version)
-        n = plan.new_units[0].n_tokens
         return data / n, meta / len(rows), f"{how}, {len(rows)} samples, {n:,} tokens, written with the run's settings"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

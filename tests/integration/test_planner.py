@@ -66,3 +66,20 @@ def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, ca
     assert "tokens/s recorded on one H200" in out and "bench/RESULTS.md" in out
     assert main([*args, "--set", "plan.disk_quota_gib=0.0001"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_a_failing_calibration_forward_falls_back_to_synthetic_rows(model_dir, tmp_path):
+    """A target the CPU cannot run (here: a dtype keyword its class rejects) must not fail the plan: bytes per
+    token then come from synthetic rows, and the plan says why."""
+    from dataclasses import replace
+
+    from dflash_pipeline import planner
+    from dflash_pipeline.stages import resolve_paths
+
+    cfg = resolve_paths(config(tmp_path, {"stages": ["prepare"], "data.max_samples": 30}))
+    runner = LocalRunner()
+    run_pipeline(cfg, runner)
+    broken = replace(runner.results["probe"], dtype_kwarg="no_such_kwarg")
+    est = planner.estimate(cfg, broken, runner.results["prepare"], "float32")
+    assert est.calibration.startswith("synthetic rows") and "the CPU forward failed: TypeError" in est.calibration
+    assert est.store_bytes > 0
