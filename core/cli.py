@@ -121,8 +121,10 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.runguard import ensure_guard
     from dflash_pipeline.serve import serve
 
+    ensure_guard()  # a SIGKILL of serve runs no handler: the guard then stops its server, worker and their runs
     try:
         return serve(args.port, args.home, database=args.database, host=args.host)
     except PipelineError as e:

@@ -80,9 +80,8 @@ def isolate_ephemeral_server() -> None:
 @contextmanager
 def guarded_run(debug: bool = False):
     """The CLI's run: signals as Ctrl-C, a guard process for SIGKILL, no traceback for user errors."""
-    global _guard
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    _guard = _guard or start_guard()  # its stdin closes when this process ends, after the exit handlers
+    ensure_guard()
     if not os.environ.get("PREFECT_API_URL"):
         isolate_ephemeral_server()
     flt = _NoUserErrorTraceback()
@@ -97,6 +96,13 @@ def guarded_run(debug: bool = False):
             lg.removeFilter(flt)
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def ensure_guard() -> None:
+    """Start this process's guard once. The module keeps the handle: its stdin pipe closes when this process
+    ends (after the exit handlers), which tells the guard to stop what is left."""
+    global _guard
+    _guard = _guard or start_guard()
 
 
 def start_guard() -> subprocess.Popen | None:
