@@ -2,49 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation, normalize_row
-
-CONV = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 2 + 2?"},
-    {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n2 + 2 = 4."},
-    {"role": "user", "content": "And 3 + 3?"},
-    {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\n3 + 3 = 6."},
-]
-
-
-def _write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def _expected_assistant_text(tokenizer, messages):
-    """What the template renders inside each assistant turn: earlier turns lose their <think> block."""
-    out = []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            content = m["content"]
-            if i != len(messages) - 1 and "</think>" in content:
-                content = content.split("</think>")[-1].lstrip("\n")
-            out.append(content + "<|im_end|>")
-    return out
-
-
-@pytest.fixture(params=["generation-tags", "prefix-match"])
-def any_template_tokenizer(request, tokenizer):
-    """The embedded tokenizer, and a copy whose template has no {% generation %} tags (like Qwen's)."""
-    if request.param == "generation-tags":
-        return tokenizer
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    return tok
 
 
 @pytest.mark.parametrize(
