@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
@@ -103,6 +104,25 @@ def ensure_guard() -> None:
     ends (after the exit handlers), which tells the guard to stop what is left."""
     global _guard
     _guard = _guard or start_guard()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(parent: int, sig: int):
+    """A `preexec_fn` (it runs in the child between fork and exec): the kernel sends the child `sig` when the
+    thread that started it dies, whatever killed it. No polling gap, unlike the guard, which learns of new
+    processes every GUARD_POLL_S; the child's own children are still the guard's to stop."""
+
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the guard alone
+            return
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def start_guard() -> subprocess.Popen | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.runguard import parent_death_signal
 
 POOL = "dflash"
 STOP_GRACE_S = 20.0
@@ -134,6 +135,9 @@ class LocalPrefect:
     host: str = "127.0.0.1"  # the server's bind address: 0.0.0.0 for workers on other machines
     # Where flow runs start, so relative paths in a run's config resolve as they would for `dflash-pipeline run`.
     workdir: Path = field(default_factory=Path.cwd)
+    # serve's own: what it starts gets SIGTERM from the kernel when serve dies, even by SIGKILL (spawn from the
+    # main thread only: the signal follows the thread that started the child).
+    die_with_parent: bool = False
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     @property
@@ -178,6 +182,7 @@ class LocalPrefect:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=parent_death_signal(os.getpid(), signal.SIGTERM) if self.die_with_parent else None,
         )
         self.procs.append(p)
         return p
@@ -264,7 +269,7 @@ def _raise_stop(signum, frame) -> None:
 def serve(port: int, home: str | Path | None = None, database: str | None = None, host: str = "127.0.0.1") -> int:
     """`dflash-pipeline serve`: everything for the UI path, until Ctrl-C, SIGTERM or SIGHUP."""
     home = Path(home).expanduser().absolute() if home else None
-    lp = LocalPrefect(port=port, home=home, database=database_url(database), host=host)
+    lp = LocalPrefect(port=port, home=home, database=database_url(database), host=host, die_with_parent=True)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         lp.start_server()

@@ -22,6 +22,8 @@ from dflash_pipeline.serve import POOL, LocalPrefect
 from tests.proctree import descendants, wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
+# For an installed package (tests/e2e/conftest.py: wheel_env): nothing of a checkout on the path.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 # What a server on a healthy database never logs: SQLite's lock, PostgreSQL connection trouble, a full pool.
 DB_ERRORS = re.compile(
@@ -44,20 +46,27 @@ def free_port() -> int:
 
 @contextmanager
 def serve(
-    home: Path, database: str | None = None, env: dict[str, str] | None = None, timeout: float = 400
+    home: Path,
+    database: str | None = None,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 400,
+    python: str | Path = sys.executable,
+    workdir: Path = ROOT,
 ) -> Iterator[LocalPrefect]:
-    """`dflash-pipeline serve [--database URL]` on a free port with its own Prefect home; yields a LocalPrefect
-    for the same server (its `serve_proc`, `startup_s`; `start_worker()` adds workers that `stop()` ends)."""
-    lp = LocalPrefect(port=free_port(), home=home, workdir=ROOT)
+    """`dflash-pipeline serve [--database URL]` on a free port with its own Prefect home, run by `python` (another
+    environment's, e.g. a wheel's) from `workdir`; `env` adds to (None: removes from) this environment. Yields a
+    LocalPrefect for the same server (its `serve_proc`, `startup_s`; `start_worker()` adds workers that `stop()`
+    ends)."""
+    lp = LocalPrefect(port=free_port(), home=home, workdir=workdir)
     log = home / "serve.out"
-    cmd = [sys.executable, "-m", "dflash_pipeline.cli", "serve", "--port", str(lp.port), "--home", str(home)]
+    cmd = [str(python), "-m", "dflash_pipeline.cli", "serve", "--port", str(lp.port), "--home", str(home)]
     if database:
         cmd += ["--database", database]
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
+        cwd=workdir,
+        env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import site
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.pgserver import ThrowawayPostgres, missing_reason
-from tests.serving import LOAD_SERVER_ENV, serve
+from tests.serving import LOAD_SERVER_ENV, ROOT, serve
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +61,30 @@ def pg_full_run(pg_server, tmp_path_factory):
     run_id = pg_server.run_deployment("full", {**FULL_TINY, "output_dir": str(out)})
     (fr,) = wait_final(pg_server, [run_id], timeout=600)
     return pg_server, fr, out
+
+
+@pytest.fixture(scope="session")
+def wheel_env(tmp_path_factory) -> Path:
+    """A fresh virtualenv holding the wheel built from this checkout (`pip install .`, not editable; the installed
+    CLI, `serve` and the deployments of tests/e2e/test_deployments.py run from it); its dependencies come from
+    the test environment's site-packages (a path entry, so this environment's editable install is not seen)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (wheel,) = tmp.glob("dflash_pipeline-*.whl")
+    pyver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "lib" / pyver / "site-packages" / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps"]
+        + [str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return venv

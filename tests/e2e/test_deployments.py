@@ -12,9 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +23,7 @@ from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from tests.proctree import descendants, wait_gone
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.serving import api, logs, serve
 
 SMALL = {"extract.devices": "cpu", "layers.num_draft_layers": 2, "validate.recompute_samples": 0}
 TINY_TRAINING = {
@@ -40,39 +36,17 @@ TINY_TRAINING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    """`dflash-pipeline serve` as a user starts it (its own Prefect home), and a handle for its API and CLI."""
+def server(tmp_path_factory, model_dir, wheel_env):
+    """`dflash-pipeline serve` as a user starts it after `pip install .` (the wheel, not this checkout), from a
+    directory of their own, with its own Prefect home: server, worker and flow runs all run the installed package.
+    A handle for its API and CLI; everything it started is stopped even when a test fails."""
     home = tmp_path_factory.mktemp("prefect_home")
-    lp = LocalPrefect(port=_free_port(), home=home, workdir=ROOT)
-    log = home / "serve.out"
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_pipeline.cli", "serve", "--port", str(lp.port), "--home", str(home)],
-        cwd=ROOT,
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    lp.serve_proc = proc
-    try:
-        while "Prefect UI:" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() - t0 < 400, "serve did not come up in 400 s"
-            time.sleep(0.5)
-        print(f"serve: up in {time.monotonic() - t0:.0f} s")
-        lp.startup_logs = "".join(p.read_text(errors="replace") for p in (home / "logs").glob("*.log"))
+    user_dir = tmp_path_factory.mktemp("user_dir")
+    with serve(home, python=wheel_env / "bin" / "python", workdir=user_dir, env={"PYTHONPATH": None}) as lp:
+        print(f"serve: up in {lp.startup_s:.0f} s")
+        lp.startup_logs = "".join(logs(lp).values())
         yield lp
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            lp.stop()
 
 
 def _worker_pid(lp: LocalPrefect) -> int:
@@ -85,20 +59,6 @@ def _worker_pid(lp: LocalPrefect) -> int:
     raise AssertionError("no Prefect worker under serve")
 
 
-def _api(lp: LocalPrefect, fn):
-    """Call `fn(client)` against this test's server, whatever else this pytest session has configured
-    (the session's ephemeral harness sets PREFECT_API_URL in a settings context, above the environment)."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    async def go():
-        async with get_client() as client:
-            return await fn(client)
-
-    with temporary_settings(updates={PREFECT_API_URL: lp.api_url}):
-        return asyncio.run(go())
-
-
 def _wait(lp: LocalPrefect, run_id: str, timeout: float = 400):
     async def go(client):
         for _ in range(int(timeout / 2)):
@@ -108,7 +68,7 @@ def _wait(lp: LocalPrefect, run_id: str, timeout: float = 400):
             await asyncio.sleep(2)
         raise TimeoutError(f"flow run {run_id} not finished after {timeout} s")
 
-    return _api(lp, go)
+    return api(lp, go)
 
 
 def _task_runs_and_artifacts(lp: LocalPrefect, run_id: str):
@@ -121,7 +81,7 @@ def _task_runs_and_artifacts(lp: LocalPrefect, run_id: str):
         )
         return tasks, arts
 
-    return _api(lp, go)
+    return api(lp, go)
 
 
 def _logs(lp: LocalPrefect, run_id: str) -> list:
@@ -130,7 +90,7 @@ def _logs(lp: LocalPrefect, run_id: str) -> list:
     async def go(client):
         return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
 
-    return _api(lp, go)
+    return api(lp, go)
 
 
 def _stages_run(tasks) -> set[str]:
@@ -267,12 +227,12 @@ def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out,
             await asyncio.sleep(1)
         raise TimeoutError("training never started")
 
-    _api(server, training_started)
+    api(server, training_started)
     time.sleep(3)  # a few steps in
     run_procs = descendants(_worker_pid(server))
     assert run_procs, "the flow-run process is not a child of the worker"
     t0 = time.monotonic()
-    _api(server, lambda c: c.set_flow_run_state(run_id, Cancelling(message="cancelled from the UI"), force=True))
+    api(server, lambda c: c.set_flow_run_state(run_id, Cancelling(message="cancelled from the UI"), force=True))
     fr = _wait(server, run_id, timeout=120)
     assert fr.state.is_cancelled(), fr.state
     left = wait_gone(run_procs, timeout=30)
@@ -310,3 +270,15 @@ def test_sigterm_stops_serve_and_everything_it_started(server):
     # start-up without SQLite lock errors (under concurrent runs on a loaded 2-core machine the server can still
     # log some: SQLite answers a read-then-write conflict at once, busy_timeout or not; Prefect retries them)
     assert "database is locked" not in server.startup_logs
+
+
+def test_sigkill_of_serve_leaves_no_process(tmp_path, model_dir):
+    """SIGKILL runs no handler in serve: its guard process stops the server and worker it started."""
+    (tmp_path / "home").mkdir()
+    with serve(tmp_path / "home") as lp:
+        started = descendants(lp.serve_proc.pid)
+        assert any("server start" in c for c in started.values()), started
+        lp.serve_proc.kill()
+        lp.serve_proc.wait()
+        left = wait_gone(started, timeout=30)  # the guard's grace is 5 s after it notices (0.5 s)
+        assert not left, left

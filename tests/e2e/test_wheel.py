@@ -5,44 +5,10 @@ where a relative output_dir says (resolved against the directory the user ran it
 from __future__ import annotations
 
 import json
-import os
-import site
 import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-# The installed package only: nothing of a checkout or another environment on the path.
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-
-@pytest.fixture(scope="module")
-def wheel_env(tmp_path_factory) -> Path:
-    """A fresh virtualenv holding the wheel built from this checkout; its dependencies come from the test
-    environment's site-packages (a path entry, so this environment's editable install is not seen)."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    (wheel,) = tmp.glob("dflash_pipeline-*.whl")
-    pyver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    (venv / "lib" / pyver / "site-packages" / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps"]
-        + [str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return venv
+from tests.serving import CLEAN_ENV
 
 
 def test_the_wheel_installs_one_top_level_name(wheel_env):
