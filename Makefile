@@ -11,7 +11,7 @@ $(BIN)/dflash-pipeline: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test unit lint test-py312
+.PHONY: install run test test-load unit lint test-py312
 install: $(BIN)/dflash-pipeline
 
 run: install
@@ -21,9 +21,13 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Everything: lint, then the unit, integration and e2e layers.
+# Lint, then the unit, integration and e2e layers (all but the load test: `make test-load`, which CI also runs).
 test: lint
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q tests -m "not load" $(ARGS)
+
+# 20 flow runs on three Prefect workers against a PostgreSQL-backed server (minutes; needs PostgreSQL's binaries).
+test-load: install
+	$(BIN)/python -m pytest -q tests -m load $(ARGS)
 
 # The fast layer (pure functions, seconds): what to run while working.
 unit: install
