@@ -32,6 +32,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import read_model_config
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant
+from dflash_pipeline.storage.commit import crash_points_off
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
 from dflash_pipeline.storage.store import Store
 
@@ -221,10 +222,6 @@ def calibrate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logi
     """(data bytes per token, metadata bytes per sample, how it was measured): a calibration sample written into
     a scratch store as the run would write it (see the module doc). Metadata (zarr.json files with the sample
     tables, plan and commit records) is counted per sample: it grows with the sample tables."""
-    from dflash_pipeline.extraction.extract import run_worker
-    from dflash_pipeline.extraction.spec import WorkerSpec
-
-    x, precision = cfg.extract, cfg.extract.store_precision
     ds = load_prepared(prepared.path)
     lengths = list(ds["seq_len"])
     rows = _pick(lengths, cfg.plan.calibration_tokens)
@@ -233,61 +230,70 @@ def calibrate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logi
         mode = "forward" if report.weights_gib <= CALIBRATE_FORWARD_MAX_GIB else "synthetic"
     scratch = Path(tempfile.mkdtemp(prefix="dflash-plan-"))
     try:
-        store = Store(scratch / "store")
-        prov = {
-            "format_version": FORMAT_VERSION,
-            "layer_ids": report.layer_ids,
-            "hidden_size": report.hidden_size,
-            "capture_last": report.capture_last,
-            "logical_dtype": logical,
-            "precision": precision,
-            "compute_dtype": report.compute_dtype,
-        }
-        version = store.resolve_version(prov, prepared.fingerprint, new_version=False, incremental=False)
-        sub = ds.select(rows)
-
-        def fetch(idx: list[int]):
-            part = sub.select(idx)
-            return part["input_ids"], part["loss_mask"]
-
-        ids, lens = list(sub["sample_id"]), list(sub["seq_len"])
-        plan = store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
-        unit, n = plan.new_units[0].name, plan.new_units[0].n_tokens
-        fallback = ""
-        if mode == "forward":
-            # On the CPU: the GPU-only kernels a GPU run's report may name are swapped for their portable twins.
-            attn = report.attn_implementation
-            cpu_report = replace(
-                report,
-                replicas=["cpu"],
-                conv_kernel="transformers",
-                attn_implementation="sdpa" if attn and "flash" in attn else attn,
-            )
-            spec = WorkerSpec(
-                store_root=str(store.url),
-                version=version,
-                units=[unit],
-                report=cpu_report,
-                extract=x.model_copy(update={"store_writers": "threads", "compile": "off"}),
-                store_dtype=logical,
-                device="cpu",
-                threads=os.cpu_count() or 1,
-            )
-            try:
-                run_worker(spec)
-                how = "the target's own hidden states (extraction on the CPU)"
-            except Exception as e:  # noqa: BLE001 - a plan must not fail on its calibration: say so, use synthetic
-                fallback = f" (the CPU forward failed: {type(e).__name__}: {str(e)[:200]})"
-                mode = "synthetic"
-                store.discard_units(version, [unit])  # recreated empty from its plan record
-                store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
-        if mode != "forward":
-            _write_synthetic(store, version, unit, report, logical, precision)
-            how = "synthetic rows (Gaussian, log-normal channel scales)" + fallback
-        data, meta = _file_bytes(scratch / "store" / version)
-        return data / n, meta / len(rows), f"{how}, {len(rows)} samples, {n:,} tokens, written with the run's settings"
+        with crash_points_off():  # a scratch store: the kill tests' fault injection counts the real one only
+            return _calibrate_into(scratch, cfg, report, prepared, logical, ds, rows, mode)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mode) -> tuple[float, float, str]:
+    from dflash_pipeline.extraction.extract import run_worker
+    from dflash_pipeline.extraction.spec import WorkerSpec
+
+    x, precision = cfg.extract, cfg.extract.store_precision
+    store = Store(scratch / "store")
+    prov = {
+        "format_version": FORMAT_VERSION,
+        "layer_ids": report.layer_ids,
+        "hidden_size": report.hidden_size,
+        "capture_last": report.capture_last,
+        "logical_dtype": logical,
+        "precision": precision,
+        "compute_dtype": report.compute_dtype,
+    }
+    version = store.resolve_version(prov, prepared.fingerprint, new_version=False, incremental=False)
+    sub = ds.select(rows)
+
+    def fetch(idx: list[int]):
+        part = sub.select(idx)
+        return part["input_ids"], part["loss_mask"]
+
+    ids, lens = list(sub["sample_id"]), list(sub["seq_len"])
+    plan = store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+    unit, n = plan.new_units[0].name, plan.new_units[0].n_tokens
+    fallback = ""
+    if mode == "forward":
+        # On the CPU: the GPU-only kernels a GPU run's report may name are swapped for their portable twins.
+        attn = report.attn_implementation
+        cpu_report = replace(
+            report,
+            replicas=["cpu"],
+            conv_kernel="transformers",
+            attn_implementation="sdpa" if attn and "flash" in attn else attn,
+        )
+        spec = WorkerSpec(
+            store_root=str(store.url),
+            version=version,
+            units=[unit],
+            report=cpu_report,
+            extract=x.model_copy(update={"store_writers": "threads", "compile": "off"}),
+            store_dtype=logical,
+            device="cpu",
+            threads=os.cpu_count() or 1,
+        )
+        try:
+            run_worker(spec)
+            how = "the target's own hidden states (extraction on the CPU)"
+        except Exception as e:  # noqa: BLE001 - a plan must not fail on its calibration: say so, use synthetic
+            fallback = f" (the CPU forward failed: {type(e).__name__}: {str(e)[:200]})"
+            mode = "synthetic"
+            store.discard_units(version, [unit])  # recreated empty from its plan record
+            store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+    if mode != "forward":
+        _write_synthetic(store, version, unit, report, logical, precision)
+        how = "synthetic rows (Gaussian, log-normal channel scales)" + fallback
+    data, meta = _file_bytes(scratch / "store" / version)
+    return data / n, meta / len(rows), f"{how}, {len(rows)} samples, {n:,} tokens, written with the run's settings"
 
 
 # ---- GPU-hours ---------------------------------------------------------------------------------------------
