@@ -36,8 +36,13 @@ def _remount(mnt, opts: str) -> None:
 
 
 def test_full_disk_stops_once_with_a_clear_message_and_resumes(small_store, tmpfs, tmp_path, caplog):
-    """2.5 MB hold the first unit (1.7 MB of shards) but not the second."""
-    overrides = {**SMALL, "store_path": str(tmpfs / "store"), "extract.io_retries": 5}
+    """2.5 MB hold the first unit (1.7 MB of shards) but not the second. The pre-flight plan sees that and refuses
+    to start (nothing written); with its documented override the extraction starts and the disk fills."""
+    refused = {**SMALL, "store_path": str(tmpfs / "store")}
+    with pytest.raises(StoreError, match=r"free space of the filesystem of .*plan.disk_check=false"):
+        extract_local(tmp_path / "run", refused)
+    assert not Store(tmpfs / "store").versions()
+    overrides = {**refused, "extract.io_retries": 5, "plan.disk_check": False}
     with caplog.at_level(logging.WARNING), pytest.raises(StoreError) as exc:
         extract_local(tmp_path / "run", overrides)
     msg = str(exc.value)
