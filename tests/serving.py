@@ -38,6 +38,18 @@ API_ERRORS = re.compile(
 )
 
 
+# Run overrides for the tiny embedded target on CPU: extraction without recompute, and a two-step training.
+SMALL = {"extract.devices": "cpu", "layers.num_draft_layers": 2, "validate.recompute_samples": 0}
+TINY_TRAINING = {
+    "train.max_steps": 2,
+    "train.block_size": 4,
+    "train.anchors_per_sample": 8,
+    "train.num_workers": 0,
+    "evaluate.num_prompts": 1,
+    "evaluate.max_new_tokens": 4,
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.pgserver import ThrowawayPostgres, missing_reason
-from tests.serving import LOAD_SERVER_ENV, ROOT, serve
+from tests.serving import LOAD_SERVER_ENV, ROOT, SMALL, TINY_TRAINING, serve
 
 
 @pytest.fixture(scope="session")
@@ -37,18 +37,7 @@ def pg_server(postgres, tmp_path_factory, model_dir):
 
 
 # A full run that trains for two steps: every artifact the project publishes, in seconds of CPU.
-FULL_TINY = {
-    "data.max_samples": 8,
-    "extract.devices": "cpu",
-    "layers.num_draft_layers": 2,
-    "validate.recompute_samples": 0,
-    "train.max_steps": 2,
-    "train.block_size": 4,
-    "train.anchors_per_sample": 8,
-    "train.num_workers": 0,
-    "evaluate.num_prompts": 1,
-    "evaluate.max_new_tokens": 4,
-}
+FULL_TINY = {"data.max_samples": 8, **SMALL, **TINY_TRAINING}
 
 
 @pytest.fixture(scope="session")

@@ -23,17 +23,7 @@ from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from tests.proctree import descendants, wait_gone
-from tests.serving import api, logs, serve
-
-SMALL = {"extract.devices": "cpu", "layers.num_draft_layers": 2, "validate.recompute_samples": 0}
-TINY_TRAINING = {
-    "train.max_steps": 2,
-    "train.block_size": 4,
-    "train.anchors_per_sample": 8,
-    "train.num_workers": 0,
-    "evaluate.num_prompts": 1,
-    "evaluate.max_new_tokens": 4,
-}
+from tests.serving import SMALL, TINY_TRAINING, api, logs, serve
 
 
 @pytest.fixture(scope="module")
