@@ -136,28 +136,12 @@ def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
 
 
 def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
-    from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
-    from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+    from dflash_pipeline.extraction.plan import target_identity
     from dflash_pipeline.storage.store import Store
 
-    # The identity and provenance keys of target/plan.py:provenance (which needs the prepared dataset's
-    # `datasets` directory; this bench has in-memory samples instead).
-    prov = {
-        "format_version": FORMAT_VERSION,
-        "model_path": report.model_path,
-        "model_type": report.model_type,
-        "model_config_hash": config_hash(report.model_path),
-        "weights_fingerprint": weights_fingerprint(report.model_path),
-        "num_layers": report.num_layers,
-        "hidden_size": report.hidden_size,
-        "layer_types": report.layer_types,
-        "layer_ids": report.layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "capture_last": report.capture_last,
-        "logical_dtype": dtype_name,
-        "precision": cfg.extract.store_precision,
-        "compute_dtype": report.compute_dtype,
-    }
+    # The identity keys of extraction/plan.py:provenance (the rest needs a prepared dataset; this bench has
+    # in-memory samples instead).
+    prov = target_identity(cfg, report, dtype_name)
     store = Store(root)
     version = store.resolve_version(prov, "bench-dataset", new_version=True, incremental=False)
     x = cfg.extract

@@ -46,7 +46,8 @@ def _git_revision() -> str | None:
         return None
 
 
-def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_fp: str) -> dict[str, Any]:
+def target_identity(cfg: RunConfig, report: ProbeReport, logical_dtype: str) -> dict[str, Any]:
+    """The keys that decide whether stored states belong together: format, target, layers, dtype, precision."""
     return {
         "format_version": FORMAT_VERSION,
         "model_path": report.model_path,
@@ -59,9 +60,15 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
         "layer_ids": report.layer_ids,
         "layer_convention": LAYER_CONVENTION,
         "capture_last": report.capture_last,
-        "logical_dtype": store_dtype(cfg, report),
+        "logical_dtype": logical_dtype,
         "precision": cfg.extract.store_precision,
         "compute_dtype": report.compute_dtype,
+    }
+
+
+def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_fp: str) -> dict[str, Any]:
+    return {
+        **target_identity(cfg, report, store_dtype(cfg, report)),
         "tokenizer_fingerprint": tokenizer_fp,
         "template_fingerprint": template_fp,
         "libraries": {
