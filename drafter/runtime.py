@@ -82,16 +82,25 @@ class StopOnSigterm:
                 self._prev(signal.SIGTERM, None)
 
 
+def epoch_batches(n: int, cfg: TrainConfig, world: int, rank: int, epoch: int) -> list[list[int]]:
+    """The micro-batches (dataset indices) rank `rank` of `world` reads in epoch `epoch` of a dataset of `n`
+    samples: DistributedSampler's order (seed + epoch). The one definition of the data order: micro_batches
+    reads it, and storage/retention.py computes from it when a training is done with each store unit."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    return [idx[i : i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+
+
 def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.device) -> Iterator[dict]:
     """Micro-batches from global micro index `start` on, epoch after epoch."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DataLoader
 
-    sampler = DistributedSampler(ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=cfg.seed)
     epoch = 0
     while True:
-        sampler.set_epoch(epoch)
-        idx = list(sampler)
-        batches = [idx[i : i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+        batches = epoch_batches(len(ds), cfg, d.world, d.rank, epoch)
         skip = min(max(start - epoch * len(batches), 0), len(batches))
         if skip < len(batches):
             yield from DataLoader(
@@ -107,6 +116,13 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.devic
 
 def micro_per_epoch(n: int, world: int, batch_size: int) -> int:
     return math.ceil(math.ceil(n / world) / batch_size)
+
+
+def total_steps(n: int, world: int, cfg: TrainConfig) -> int:
+    """Optimizer steps of a training on `n` samples over `world` processes: train.epochs of micro-batches,
+    grad_accum per step, capped by train.max_steps."""
+    total = math.ceil(math.ceil(cfg.epochs * micro_per_epoch(n, world, cfg.batch_size)) / cfg.grad_accum)
+    return min(total, cfg.max_steps) if cfg.max_steps else total
 
 
 def lr_lambda(total: int, warmup_ratio: float, floor: float) -> Callable[[int], float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ from dflash_pipeline.drafter.checkpoint import latest_checkpoint, load_checkpoin
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
-from dflash_pipeline.drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, micro_per_epoch, setup
+from dflash_pipeline.drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, setup, total_steps
 from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.probe import ProbeReport
@@ -171,8 +170,7 @@ def train(
     job = _build(cfg, store_root, report, version, d.device, store_options)
     model = job.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda")
-    total = math.ceil(math.ceil(cfg.epochs * micro_per_epoch(len(job.ds), d.world, cfg.batch_size)) / cfg.grad_accum)
-    total = min(total, cfg.max_steps) if cfg.max_steps else total
+    total = total_steps(len(job.ds), d.world, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     sj = spec_json(job.spec)
     start, history = 0, []
