@@ -135,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check a store version completely; one line per problem, then a summary. Exit 0 healthy, 1 not."""
     from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.storage.retention import ReaderLease
     from dflash_pipeline.storage.store import Store
     from dflash_pipeline.storage.verify import verify_version
 
@@ -144,7 +145,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         version = args.version or store.current() or (store.versions() or [None])[-1]
         if version is None or version not in store.versions():
             raise PipelineError(f"no store version {version or ''} under {store.url} (versions: {store.versions()})")
-        report = verify_version(store, version, digests=not args.sizes_only, threads=args.threads)
+        lease = ReaderLease(store, version)  # retention and pruning leave the version alone while it is checked
+        try:
+            report = verify_version(store, version, digests=not args.sizes_only, threads=args.threads)
+        finally:
+            lease.release()
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,10 @@ a unit's arrays are first opened (in each process) every file its commit record 
 presence and size (a missing zarr shard would otherwise read back as zeros); with `verify="digests"` also
 for content: the unit's small files at first open, each shard the first time a sample in it is read (in each
 process; every byte is then read once more, once). storage/verify.py holds the checks.
+
+A reader holds a lease on its version for as long as it lives (storage/retention.py): retention and pruning
+never delete a version, or units of one, that another process reads. Units whose data retention deleted are
+refused by name (with who, when, why and how to re-extract), never read as missing files or zeros.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant
+from dflash_pipeline.storage import digest, quant, retention
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
@@ -55,6 +59,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         verify: str = "sizes",
         partial: bool = False,
         dequantize: bool = True,
+        retired: str = "refuse",
     ):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
@@ -64,15 +69,30 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         committed samples of units not yet complete (a version being extracted); by default every planned unit
         must be complete. `dequantize=False` (a compact store only): items hold the stored values as they are
         ('hidden' uint8 e4m3 bits or int8) plus 'hidden_scale' [T, K] (and 'last_hidden_scale' [T]), for a
-        consumer that dequantizes on its GPU (training does: half the bytes to copy, no CPU decoding)."""
+        consumer that dequantizes on its GPU (training does: half the bytes to copy, no CPU decoding).
+        `retired`: units whose data retention deleted (docs/STORE.md, "Retention") make the constructor raise
+        ("refuse", the default) or, with "index" (a training's reader, so that a training resumed after its
+        `consumed` units were deleted sees the same samples in the same order), stay in the index from their plan
+        records, and reading one of their samples raises StoreError saying what was deleted and why."""
         if verify not in ("sizes", "digests"):
             raise ValueError(f"verify={verify!r}: use 'sizes' or 'digests'")
+        if retired not in ("refuse", "index"):
+            raise ValueError(f"retired={retired!r}: use 'refuse' or 'index'")
         self.store = Store(store_root, store_options)
         self.store.check_readable()
         self.verify = verify
         self.version = version or self.store.current() or (self.store.versions() or [None])[-1]
         if self.version is None:
             raise FileNotFoundError(f"no store version under {self.store.url}")
+        # The lease first, then the records: a deletion either sees this reader or marks before it reads them.
+        self._lease = retention.ReaderLease(self.store, self.version, "training" if retired == "index" else "reading")
+        try:
+            self._open(partial, dequantize, retired)
+        except BaseException:
+            self._lease.release()  # a reader that failed to open holds nothing (its traceback may live on)
+            raise
+
+    def _open(self, partial: bool, dequantize: bool, retired: str) -> None:
         self._raise_on(check_version_attrs(self.store, self.version))
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
@@ -85,7 +105,25 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._shard_tokens: dict[str, int] = {}
         self._verified: set[tuple[str, str]] = set()  # (unit, shard file) whose digest this process checked
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
+        record = retention.read_record(self.store, self.version)
+        gone = retention.retired(record, units)
+        self.retired: dict[str, str] = {}  # unit -> why it cannot be read (its data were deleted by retention)
+        if gone and retired == "refuse":
+            entry = retention.version_retired(record)
+            raise StoreError(
+                retention.describe(self.store, self.version, entry, None)
+                if entry
+                else retention.describe(self.store, self.version, next(iter(gone.values())), sorted(gone))
+            )
         for unit in units:
+            if unit in gone:  # in the index as planned (it was complete when deleted); never read
+                self.retired[unit] = retention.describe(self.store, self.version, gone[unit], [unit])
+                plan = self.store.plan_record(self.version, unit)
+                if plan is None:
+                    raise StoreError(f"{self.retired[unit]} (and its plan record, which lists its samples, is missing)")
+                self._shard_tokens[unit] = plan["shard_tokens"]
+                self.samples += [SampleRef(sid, unit, start, length) for sid, start, length in plan["samples"]]
+                continue
             problems = self._check_meta(unit)
             self._raise_on([p for p in problems if p.kind == DAMAGED or not partial])
             rec = self.store.commit_record(self.version, unit)
@@ -160,6 +198,23 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 self._check_digest(unit, f, want)
                 self._verified.add((unit, f))
 
+    def close(self) -> None:
+        """Release the lease on the version (also when the dataset is garbage-collected or the process ends)."""
+        self._lease.release()
+
+    def __enter__(self) -> HiddenStateDataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        # A copy in another process (DataLoader workers under spawn) reads under its parent's lease.
+        state = dict(self.__dict__)
+        state["_lease"] = retention.ReaderLease.detached()
+        state["_arrays"], state["_pid"] = {}, None
+        return state
+
     def __len__(self) -> int:
         return len(self.samples)
 
@@ -177,6 +232,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ref = self.samples[i]
+        if ref.unit in self.retired:
+            raise StoreError(f"sample {ref.sample_id}: {self.retired[ref.unit]}")
         a = self._unit_arrays(ref.unit)
         if self.verify == "digests":
             self._check_shards(ref.unit, ref.start, ref.start + ref.length)

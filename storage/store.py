@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant
+from dflash_pipeline.storage import digest, quant, retention
 from dflash_pipeline.storage.layout import (
     DTYPES,
     FORMAT_VERSION,
@@ -125,7 +125,7 @@ class Store:
         """
         self.check_writable()
         provenance = {**provenance, "format_version": FORMAT_VERSION}
-        versions = self.versions()
+        versions = [v for v in self.versions() if not retention.read_record(self, v).get("prune")]  # not half-pruned
         for v in reversed(versions):
             attrs = self._repair_attrs(v, provenance)
             if not all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS):
@@ -208,6 +208,9 @@ class Store:
         first commit, e.g. on broken weights): they must not block the next run. Returns those left."""
         current, kept = self.current(), []
         for v in versions:
+            if retention.read_record(self, v):  # its data were deleted by retention: it had data, keep its record
+                kept.append(v)
+                continue
             if v != current and not any(self.commit_record(v, u).get("committed_tokens", 0) > 0 for u in self.units(v)):
                 log.warning("removing store version %s: nothing was ever committed to it", self.loc.url_of(v))
                 self.loc.rmtree(v)
@@ -222,15 +225,23 @@ class Store:
     def _snapshot(self, source: str) -> str:
         """A new version holding `source`'s complete units as hard links (no data copied; falls back to a
         copy across filesystems; server-side copies on object storage). Complete units are immutable, so
-        sharing their files is safe."""
+        sharing their files is safe. Units whose data retention deleted are not shared: their samples are
+        planned (and extracted) again in the new version."""
         name = self._new_version_name()
         src_attrs = self.attrs(source)
+        gone = retention.retired(retention.read_record(self, source), self.units(source))
+        if gone:
+            log.warning(
+                "snapshot of %s: %d units' data were deleted by retention; their samples are extracted again",
+                source,
+                len(gone),
+            )
         g = self.loc.open_group(name, mode="w-")
         g.attrs.update({**src_attrs, "created": _now(), "snapshot_of": source})
         g.create_group("units")
         self._write_version_record(name)
         for u in self.units(source):
-            if not self.commit_record(source, u).get("complete"):
+            if u in gone or not self.commit_record(source, u).get("complete"):
                 continue
             plan = self.loc.read_bytes(self._plan_rel(source, u))
             if plan is not None:
@@ -240,13 +251,22 @@ class Store:
         return name
 
     def prune(self, keep: int) -> list[str]:
-        """Delete all but the newest `keep` versions; never CURRENT. Returns the deleted names."""
+        """Delete all but the newest `keep` versions; never CURRENT, never a version another process reads (holds
+        a reader lease on: it is pruned by a later run). The caller holds the store lock. Returns the deleted
+        names."""
         current, versions = self.current(), self.versions()
         doomed = [v for v in versions[: max(len(versions) - keep, 0)] if v != current]
+        pruned = []
         for v in doomed:
-            self.loc.rmtree(v)
+            out = retention.retire_whole_version(
+                self, v, {"mode": "prune", "why": f"extract.keep_versions={keep}"}, True
+            )
+            if out.skipped:
+                log.warning("not pruning store version %s now: %s", self.loc.url_of(v), out.skipped)
+                continue
+            pruned.append(v)
             log.info("pruned store version %s", v)
-        return doomed
+        return pruned
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -319,6 +339,7 @@ class Store:
         prepared order, stored longest-first (batches of similar length; OOM shows up at once).
         """
         attrs = self.attrs(version)
+        retention.restore_for_extraction(self, version)  # units whose data retention deleted: planned again
         for u in self.units(version):
             if not self.unit_attrs(version, u).get("planned"):
                 log.warning("removing half-planned unit %s", u)

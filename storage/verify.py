@@ -9,7 +9,8 @@ The records checked (docs/STORE.md, "Integrity"):
 
 Each problem is one `Problem` (unit, array, file, what); nothing here raises on damaged data. `kind` tells
 damage ("damaged": a rerun of extract discards the unit and extracts its samples again) from work not yet
-done ("incomplete": a rerun resumes it).
+done ("incomplete": a rerun resumes it) and from data that retention deleted on purpose ("retired": the
+version's `retention.json` says when, by whom and why; a rerun of extract re-extracts it).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_pipeline.storage import digest
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import digest, retention
 from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
 from dflash_pipeline.storage.store import Store
 
-DAMAGED, INCOMPLETE = "damaged", "incomplete"
+DAMAGED, INCOMPLETE, RETIRED = "damaged", "incomplete", "retired"
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 
 
@@ -66,11 +68,17 @@ class VerifyReport:
         how = "sizes and XXH3-128 digests" if self.digests else "presence and sizes"
         rate = f", {self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s" if self.digests else ""
         unfinished = len({p.unit for p in self.problems if p.kind == INCOMPLETE})
-        verdict = (
-            "healthy"
-            if self.ok
-            else f"{len(self.problems)} problems: {len(self.damaged_units())} damaged units, {unfinished} unfinished"
-        )
+        deleted = [p for p in self.problems if p.kind == RETIRED]
+        if self.ok:
+            verdict = "healthy"
+        elif deleted and deleted[0].unit == "-":
+            verdict = "its data were deleted by retention (see the line above)"
+        else:
+            verdict = (
+                f"{len(self.problems)} problems: {len(self.damaged_units())} damaged units, {unfinished} unfinished"
+            )
+            if deleted:
+                verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
         return (
             f"{self.url}: {verdict}; checked {self.units} units, {self.files} files, {self.bytes / 2**20:.1f} MiB "
             f"({how}) in {self.seconds:.2f} s{rate}"
@@ -259,6 +267,19 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
         capture_last, precision = False, "full"
     units = sorted(set(store.units(version)) | set(store.planned_units(version)))
     report.units = len(units)
+    try:
+        record = retention.read_record(store, version)
+    except StoreError as e:
+        report.problems.append(Problem("-", "-", retention.RECORD, str(e)))
+        record = {}
+    gone = retention.retired(record, units)
+    if entry := retention.version_retired(record):
+        report.problems.append(Problem("-", "-", retention.RECORD, retention.describe(store, version, entry), RETIRED))
+    else:
+        for u in sorted(gone):
+            what = retention.describe(store, version, gone[u], [u], hint=False)
+            report.problems.append(Problem(u, "-", f"units/{u}", what, RETIRED))
+    units = [u for u in units if u not in gone]
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for problems, n_files, n_bytes in pool.map(
             lambda u: check_unit(store, version, u, capture_last, digests, precision), units
@@ -266,7 +287,7 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
             report.problems += problems
             report.files += n_files
             report.bytes += n_bytes
-    if not units:
+    if not units and not gone:
         report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
     report.seconds = time.monotonic() - t0
     return report

@@ -1,0 +1,680 @@
+"""Retention: deleting a store version's hidden states once training no longer needs them, and reader leases,
+which keep a version from being deleted while anything reads it (docs/STORE.md, "Retention").
+
+`retention.mode` (core/config.py): `keep` (the default: nothing is deleted), `after_export` (the version a
+drafter was trained from, once that drafter is exported), `consumed` (each unit as soon as a saved training
+checkpoint covers the last time the training reads it: drafter/retention.py decides when).
+
+On disk, in the version directory:
+- `retention.json`, the record: which units' data were deleted (or are being deleted), when, by whom, why,
+  after which export or checkpoint, and how many bytes. Written only under the store lock. The version's
+  attributes, version record and plan records stay, so readers and `verify` can say what happened, and a
+  rerun of extract recreates exactly the deleted units from their plan records.
+- `retention.pending/*.json`: deletions that are due but not done yet (a reader held a lease, or another run
+  held the store lock); one file per request, so writing one needs no lock. The next retention step retries.
+- `.leases/*.lease`: one file per live reader, locked with an exclusive flock for as long as the reader lives
+  (a killed reader's lock dies with it, and its file is then removed as stale).
+
+Deleting is crash-safe: (1) take the store lock, (2) no live lease of another reader, (3) mark the units
+`deleting` in the record, (4) check the leases again (a reader that registered before the mark may still read:
+undo the mark and keep the request), (5) delete each unit's directory, (6) mark them `deleted` with the bytes
+freed. A reader registers its lease before it reads the record, so it either blocks the deletion or sees the
+mark; a unit marked `deleting` or `deleted` is never read. A crash in (5) leaves `deleting`, which readers and
+`verify` report as deleted and the next retention step (or a re-extraction) finishes.
+"""
+
+from __future__ import annotations
+
+import getpass
+import itertools
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.commit import crash_point
+from dflash_pipeline.storage.location import LocalLocation
+
+if TYPE_CHECKING:
+    from dflash_pipeline.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+RECORD = "retention.json"
+PENDING_DIR = "retention.pending"
+LEASES = ".leases"
+PENDING, DELETING, DELETED = "pending", "deleting", "deleted"
+RETIRED_STATES = (DELETING, DELETED)
+MODES = ("after_export", "consumed", "prune")
+HISTORY_KEPT = 50  # entries of the record's history kept
+
+REEXTRACT = (
+    "to read it again, re-extract it: run the pipeline on this store with the model, layers and dataset it was made "
+    "from and stages that include extract and validate (e.g. `dflash-pipeline run --config <your config> --set "
+    "'stages=[prepare,extract,validate]'`): the deleted units are recreated from their plan records and extracted "
+    "again, bit for bit, then validated"
+)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def who() -> str:
+    """This process, for records and lease files: user, host and pid."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (a container without passwd entry)
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()} pid {os.getpid()}"
+
+
+# ---- the record -------------------------------------------------------------------------------------------
+def read_record(store: Store, version: str) -> dict[str, Any]:
+    """The version's retention record ({} when nothing was ever deleted from it)."""
+    try:
+        return store.loc.read_json(f"{version}/{RECORD}") or {}
+    except ValueError as e:
+        raise StoreError(
+            f"retention record {store.loc.url_of(f'{version}/{RECORD}')} is unreadable ({e}): it says which "
+            "units' data were deleted, so nothing of this version is read until it is fixed or the version is "
+            "re-extracted"
+        ) from e
+
+
+def _write_record(store: Store, version: str, record: dict[str, Any]) -> None:
+    record["format"] = 1
+    record["bytes_deleted"] = sum(e.get("bytes_deleted", 0) for e in _entries(record))
+    record["bytes_freed"] = sum(e.get("bytes_freed", 0) for e in _entries(record))
+    record["history"] = record.get("history", [])[-HISTORY_KEPT:]
+    store.loc.write_json_atomic(f"{version}/{RECORD}", record)
+
+
+def _entries(record: dict[str, Any]) -> list[dict[str, Any]]:
+    whole = [record[k] for k in ("version", "prune") if record.get(k)]
+    return whole + list((record.get("units") or {}).values())
+
+
+def version_retired(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The version-wide entry when the whole version's data were deleted or are being deleted (retention after
+    an export, or pruning under way)."""
+    for k in ("prune", "version"):
+        v = record.get(k)
+        if v and v.get("state") in RETIRED_STATES:
+            return v
+    return None
+
+
+def retired(record: dict[str, Any], units: list[str]) -> dict[str, dict[str, Any]]:
+    """{unit: its retention entry} of the units among `units` whose data were deleted or are being deleted (a
+    version-wide entry covers them all): never to be read."""
+    v = version_retired(record)
+    out = {}
+    for u in units:
+        e = (record.get("units") or {}).get(u)
+        if v:
+            out[u] = v
+        elif e and e.get("state") in RETIRED_STATES:
+            out[u] = e
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def describe(
+    store: Store, version: str, entry: dict[str, Any], units: list[str] | None = None, hint: bool = True
+) -> str:
+    """The message for a reader, `verify` or validation: what was deleted, when, by whom, why, and (`hint`) how
+    to get it back. `units`: the units concerned (None: the whole version)."""
+    where = store.loc.url_of(version)
+    if units is None:
+        what = f"store version {where}: its hidden states"
+    elif len(units) == 1:
+        what = f"store version {where}: unit {units[0]}'s hidden states"
+    else:
+        shown = ", ".join(units[:4]) + (", ..." if len(units) > 4 else "")
+        what = f"store version {where}: the hidden states of {len(units)} units ({shown})"
+    how = {
+        "after_export": "after the export of a drafter trained from them",
+        "consumed": "once the training had consumed them",
+        "prune": "by extract.keep_versions",
+    }.get(entry.get("mode"), "")
+    if entry.get("state") == DELETED:
+        state = "were deleted"
+    else:
+        state = "are being deleted (the deletion was interrupted or is under way; the next retention step finishes it)"
+    export = entry.get("export") or {}
+    after = f" (export {export['path']})" if export.get("path") else ""
+    if entry.get("checkpoint"):
+        after = f" (checkpoint {entry['checkpoint']})"
+    by = "pruning" if entry.get("mode") == "prune" else f"retention.mode={entry.get('mode')}"
+    return f"{what} {state} by {by} {how}{after} at {entry.get('at')} by {entry.get('by')}: {entry.get('why')}" + (
+        f". Nothing of them can be read; {REEXTRACT}" if hint else ""
+    )
+
+
+# ---- reader leases ----------------------------------------------------------------------------------------
+_counter = itertools.count()
+_warned_no_lease: set[str] = set()
+
+
+class ReaderLease:
+    """A reader's claim on a store version: `<version>/.leases/<name>.lease`, held with an exclusive flock for
+    as long as the reader lives. Deletions (retention, pruning) skip a version, or the units of one, while
+    another process holds a lease on it. The file appears under its final name only once locked, so a lease
+    file nobody holds belongs to a reader that died (it is removed as stale).
+
+    `purpose`: "reading", or "training" (a training's reader; the training's own retention ignores its leases,
+    see `live_leases`). Object storage has no leases (retention refuses s3:// stores). A local store this process
+    cannot write (read-only permissions) is read without a lease, with a warning: deletions cannot see it.
+    A process forked from the holder (a DataLoader worker) shares the lock and never releases it."""
+
+    def __init__(self, store: Store, version: str, purpose: str = "reading"):
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        if not isinstance(store.loc, LocalLocation):
+            return
+        vdir = store.loc.root / version
+        d = vdir / LEASES
+        host = socket.gethostname()
+        name = f"{host}.{os.getpid()}.{next(_counter)}.{purpose}.lease"
+        info = {"purpose": purpose, "by": who(), "host": host, "pid": os.getpid(), "since": _now()}
+        for _ in range(5):
+            if not vdir.is_dir():
+                return  # no such version: the reader says so
+            tmp = d / f".{name}.tmp"
+            try:
+                d.mkdir(exist_ok=True)
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # the empty lease directory was removed meanwhile: again
+                continue
+            except OSError as e:
+                if str(vdir) not in _warned_no_lease:
+                    _warned_no_lease.add(str(vdir))
+                    log.warning(
+                        "reading %s without a reader lease (%s): retention and pruning cannot see this reader",
+                        vdir,
+                        e.strerror,
+                    )
+                return
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, json.dumps(info).encode())
+            os.rename(tmp, d / name)
+            self._fd, self.path = fd, d / name
+            return
+
+    @classmethod
+    def detached(cls) -> ReaderLease:
+        """No lease (a pickled copy of a reader in another process: its parent holds the lease)."""
+        lease = cls.__new__(cls)
+        lease.path, lease._fd, lease._pid = None, None, -1
+        return lease
+
+    def release(self) -> None:
+        if self._fd is None or os.getpid() != self._pid:  # a forked copy never touches its parent's lease
+            return
+        fd, path, self._fd = self._fd, self.path, None
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # releases the flock
+        try:
+            path.parent.rmdir()  # the last lease leaves no directory behind
+        except OSError:
+            pass
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit; the lock dies with the process anyway
+            pass
+
+
+def _ancestors(pid: int) -> set[int]:
+    """Process ids above `pid` (Linux /proc; empty where unavailable)."""
+    out: set[int] = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def live_leases(store: Store, version: str, ignore_own_training: bool = True) -> list[dict[str, Any]]:
+    """The leases on `version` held by live readers, as their lease files describe them; removes stale ones.
+    `ignore_own_training`: leave out the leases of a training run by this process or a process it started (the
+    training whose consumed units or export this process's retention deletes: it is done with them)."""
+    if not isinstance(store.loc, LocalLocation):
+        return []
+    import fcntl
+
+    d = store.loc.root / version / LEASES
+    live = []
+    for f in sorted(d.glob("*.lease")) if d.is_dir() else []:
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    info = json.loads(os.read(fd, 1 << 16) or b"{}")
+                except ValueError:
+                    info = {}
+                info.setdefault("by", f"unknown reader ({f.name})")
+                own = (
+                    info.get("purpose") == "training"
+                    and info.get("host") == socket.gethostname()
+                    and os.getpid() in _ancestors(int(info.get("pid", 0)))
+                )
+                if not (own and ignore_own_training):
+                    live.append(info)
+                continue
+            log.info("removing stale reader lease %s (its reader is gone)", f)
+            f.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    return live
+
+
+def _leases_line(leases: list[dict[str, Any]]) -> str:
+    shown = "; ".join(f"{x.get('purpose', 'reading')} by {x.get('by')} since {x.get('since')}" for x in leases[:3])
+    return f"{len(leases)} reader lease(s) held: {shown}{' ...' if len(leases) > 3 else ''}"
+
+
+# ---- deleting ---------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """What one deletion attempt did."""
+
+    version: str
+    mode: str
+    deleted: list[str] = field(default_factory=list)  # units whose directories were deleted now
+    whole_version: bool = False
+    bytes_deleted: int = 0
+    bytes_freed: int = 0  # of those, bytes no other hard link still holds (a nightly snapshot shares files)
+    skipped: str | None = None  # why the deletion that is due was not done
+    note: str | None = None  # why nothing was due
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"{self.version}: deletion ({self.mode}) skipped: {self.skipped}"
+        if self.note:
+            return f"{self.version}: nothing deleted ({self.mode}): {self.note}"
+        what = "all units" if self.whole_version else f"{len(self.deleted)} units"
+        return (
+            f"{self.version}: deleted {what} ({self.mode}): {_mib(self.bytes_deleted)} deleted, "
+            f"{_mib(self.bytes_freed)} freed"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextmanager
+def _store_lock(store: Store, held: bool) -> Iterator[str | None]:
+    """The store lock (one writer per store), taken without waiting; yields None when held, else why not."""
+    if held:
+        yield None
+        return
+    stack = ExitStack()
+    try:
+        stack.enter_context(store.lock())
+    except StoreError as e:
+        if "in use by another run" not in str(e):
+            raise
+        yield str(e)
+        return
+    with stack:
+        yield None
+
+
+def _sizes(store: Store, rel: str) -> tuple[int, int]:
+    """(bytes of the files below `rel`, bytes of those no other hard link holds)."""
+    if not isinstance(store.loc, LocalLocation):
+        n = sum(store.loc.list_files(rel).values())
+        return n, n
+    total = freed = 0
+    for dirpath, _, names in os.walk(store.loc.root / rel):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+            freed += st.st_size if st.st_nlink == 1 else 0
+    return total, freed
+
+
+def _delete_unit(store: Store, version: str, unit: str) -> tuple[int, int]:
+    rel = f"{version}/units/{unit}"
+    sizes = _sizes(store, rel)
+    if isinstance(store.loc, LocalLocation):
+        # The group's zarr.json first: from then on nothing takes the leftovers for a unit.
+        (store.loc.root / rel / "zarr.json").unlink(missing_ok=True)
+    store.loc.rmtree(rel)
+    crash_point("retention_unit_deleted")
+    return sizes
+
+
+def retire(
+    store: Store,
+    version: str,
+    units: list[str] | None,
+    entry: dict[str, Any],
+    *,
+    lock_held: bool = False,
+    per_unit: dict[str, dict[str, Any]] | None = None,
+) -> Outcome:
+    """Delete the data of `units` of `version` (None: the whole version's) as the module docstring says, leaving
+    the record. `entry`: {'mode', 'why', and what it was after: 'export' or 'checkpoint'/'step'}; `per_unit`:
+    fields added to each unit's entry. Never deletes while another process holds a reader lease on the version
+    or (unless `lock_held`, the caller holds it) the store lock: then returns an Outcome saying why."""
+    mode = entry["mode"]
+    out = Outcome(version, mode, whole_version=units is None)
+    with _store_lock(store, lock_held) as busy:
+        if busy:
+            out.skipped = busy
+            return out
+        leases = live_leases(store, version)
+        if leases:
+            out.skipped = _leases_line(leases)
+            return out
+        record = read_record(store, version)
+        all_units = sorted(set(store.units(version)) | set(store.planned_units(version)))
+        already = retired(record, all_units)
+        doomed = all_units if units is None else [u for u in units if u not in already]
+        if (units is None and (v := version_retired(record)) and v.get("state") == DELETED) or not doomed:
+            out.note = "its data were deleted already" if already else "no units"
+            return out
+        stamp = {**entry, "state": DELETING, "at": _now(), "by": who()}
+        if units is None:
+            record["version"] = {**stamp, "units": len(doomed)}
+        else:
+            record.setdefault("units", {})
+            for u in doomed:
+                record["units"][u] = {**stamp, **(per_unit or {}).get(u, {})}
+        _write_record(store, version, record)
+        crash_point("retention_marked")
+        leases = live_leases(store, version)
+        if leases:  # registered before the mark: it may read them. Nothing is deleted yet: undo the mark
+            _unmark(store, version, units is None, doomed)
+            out.skipped = _leases_line(leases)
+            return out
+        out.deleted, out.bytes_deleted, out.bytes_freed = _finish(store, version, record, doomed, units is None)
+    log.info("retention: %s", out.line())
+    return out
+
+
+def _unmark(store: Store, version: str, whole: bool, doomed: list[str], key: str = "version") -> None:
+    record = read_record(store, version)
+    if whole:
+        record.pop(key, None)
+    for u in doomed:
+        (record.get("units") or {}).pop(u, None)
+    _write_record(store, version, record)
+
+
+def _finish(
+    store: Store, version: str, record: dict[str, Any], doomed: list[str], whole: bool
+) -> tuple[list[str], int, int]:
+    """Delete the marked units' directories and record them deleted; returns (units, bytes, bytes freed)."""
+    total = freed = 0
+    for u in doomed:
+        t, f = _delete_unit(store, version, u)
+        total, freed = total + t, freed + f
+        if not whole:
+            e = record["units"][u]
+            e.update(
+                state=DELETED, bytes_deleted=e.get("bytes_deleted", 0) + t, bytes_freed=e.get("bytes_freed", 0) + f
+            )
+    if whole:
+        if isinstance(store.loc, LocalLocation):  # leftovers of units no plan record names
+            for u in store.loc.list_dirs(f"{version}/units"):
+                t, f = _delete_unit(store, version, u)
+                total, freed = total + t, freed + f
+        v = record["version"]
+        v.update(
+            state=DELETED, bytes_deleted=v.get("bytes_deleted", 0) + total, bytes_freed=v.get("bytes_freed", 0) + freed
+        )
+    record.setdefault("history", []).append(
+        f"{_now()} {who()}: deleted {'the version' if whole else f'{len(doomed)} units'} ({_mib(total)}, "
+        f"{_mib(freed)} freed)"
+    )
+    _write_record(store, version, record)
+    return doomed, total, freed
+
+
+def retire_whole_version(store: Store, version: str, entry: dict[str, Any], lock_held: bool) -> Outcome:
+    """Delete `version` entirely (pruning): marked first, like any retention deletion, so a reader that starts
+    meanwhile sees the mark, and never while another process holds a lease on it."""
+    out = Outcome(version, entry["mode"], whole_version=True)
+    with _store_lock(store, lock_held) as busy:
+        if busy:
+            out.skipped = busy
+            return out
+        if leases := live_leases(store, version):
+            out.skipped = _leases_line(leases)
+            return out
+        record = read_record(store, version)
+        record["prune"] = {**entry, "state": DELETING, "at": _now(), "by": who()}
+        _write_record(store, version, record)
+        if leases := live_leases(store, version):
+            _unmark(store, version, True, [], "prune")
+            out.skipped = _leases_line(leases)
+            return out
+        out.bytes_deleted, out.bytes_freed = _sizes(store, version)
+        for u in store.loc.list_dirs(f"{version}/units"):  # the data first, the records last
+            _delete_unit(store, version, u)
+        store.loc.rmtree(version)
+    return out
+
+
+# ---- requests that wait, interrupted deletions ------------------------------------------------------------
+def request(store: Store, version: str, units: list[str] | None, entry: dict[str, Any], blocked_by: str) -> str:
+    """Record a deletion that is due but could not be done now (one file, no lock needed; the same deletion
+    requested again updates its file); returns its path."""
+    body = {**entry, "units": units, "requested_at": _now(), "by": who(), "blocked_by": blocked_by}
+    same = ("mode", "units", "export", "training")
+    existing = [
+        n for n, req in pending_requests(store, version).items() if all(req.get(k) == body.get(k) for k in same)
+    ]
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    name = existing[0] if existing else f"{stamp}-{socket.gethostname()}-{os.getpid()}-{next(_counter)}.json"
+    rel = f"{version}/{PENDING_DIR}/{name}"
+    store.loc.write_json_atomic(rel, body)
+    return store.loc.url_of(rel)
+
+
+def pending_requests(store: Store, version: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for f in sorted(store.loc.list_files(f"{version}/{PENDING_DIR}")):
+        if f.endswith(".json") and "/" not in f and not f.startswith("."):
+            try:
+                out[f] = store.loc.read_json(f"{version}/{PENDING_DIR}/{f}")
+            except ValueError:
+                log.warning("ignoring unreadable retention request %s", f)
+    return out
+
+
+def sweep(store: Store, *, lock_held: bool = False, versions: list[str] | None = None) -> list[Outcome]:
+    """Carry out what is due: finish interrupted deletions (`deleting` in a record) and the waiting requests of
+    every version (or of `versions`). Never raises for a busy lock or a live lease: the Outcome says so."""
+    outcomes = []
+    with _store_lock(store, lock_held) as busy:
+        for v in versions if versions is not None else store.versions():
+            record = read_record(store, v)
+            reqs = pending_requests(store, v)
+            interrupted = [e for e in _entries(record) if e.get("state") == DELETING]
+            if not (reqs or interrupted):
+                continue
+            if busy:
+                outcomes.append(Outcome(v, "sweep", skipped=busy))
+                continue
+            if interrupted:
+                outcomes.append(_finish_interrupted(store, v, record))
+            for name, req in reqs.items():
+                units = req.pop("units", None)
+                entry = {k: req[k] for k in req if k not in ("requested_at", "blocked_by")}
+                entry["by_request"] = f"requested at {req.get('requested_at')} by {req.get('by')}"
+                o = retire(store, v, units, entry, lock_held=True)
+                outcomes.append(o)
+                if o.skipped:
+                    store.loc.write_json_atomic(
+                        f"{v}/{PENDING_DIR}/{name}", {**req, "units": units, "blocked_by": o.skipped}
+                    )
+                else:
+                    _remove_request(store, v, name)
+    return outcomes
+
+
+def _remove_request(store: Store, version: str, name: str) -> None:
+    if isinstance(store.loc, LocalLocation):
+        (store.loc.root / version / PENDING_DIR / name).unlink(missing_ok=True)
+        try:
+            (store.loc.root / version / PENDING_DIR).rmdir()
+        except OSError:
+            pass
+    else:
+        store.loc.rmtree(f"{version}/{PENDING_DIR}/{name}")
+
+
+def _finish_interrupted(store: Store, version: str, record: dict[str, Any]) -> Outcome:
+    """A deletion that stopped after its mark: its units are retired already; delete what is left of them once
+    no other reader holds a lease (one that started before the mark may still read them)."""
+    pruning = (record.get("prune") or {}).get("state") == DELETING
+    whole = pruning or (record.get("version") or {}).get("state") == DELETING
+    mode = "prune" if pruning else record["version"]["mode"] if whole else "interrupted"
+    out = Outcome(version, mode, whole_version=whole)
+    if leases := live_leases(store, version):
+        out.skipped = _leases_line(leases)
+        return out
+    if pruning:
+        out.bytes_deleted, out.bytes_freed = _sizes(store, version)
+        for u in store.loc.list_dirs(f"{version}/units"):
+            _delete_unit(store, version, u)
+        store.loc.rmtree(version)
+        log.info("retention: finished pruning %s", version)
+        return out
+    doomed = [u for u, e in (record.get("units") or {}).items() if e.get("state") == DELETING]
+    if whole:
+        doomed = sorted(set(store.units(version)) | set(store.planned_units(version)))
+    out.deleted, out.bytes_deleted, out.bytes_freed = _finish(store, version, record, doomed, whole)
+    log.info("retention: finished an interrupted deletion: %s", out.line())
+    return out
+
+
+def restore_for_extraction(store: Store, version: str) -> list[str]:
+    """Before the planner extracts `version` again (the caller holds the store lock): what is left of its retired
+    units is removed and they leave the record (its history says so), so that the planner recreates them from
+    their plan records. Returns those units."""
+    record = read_record(store, version)
+    all_units = sorted(set(store.units(version)) | set(store.planned_units(version)))
+    gone = sorted(retired(record, all_units))
+    if not gone:
+        return []
+    for u in gone:
+        store.loc.rmtree(f"{version}/units/{u}")
+    if version_retired(record):
+        record.pop("version", None)
+        record.pop("prune", None)
+    for u in gone:
+        (record.get("units") or {}).pop(u, None)
+    record.setdefault("history", []).append(
+        f"{_now()} {who()}: re-extracting {len(gone)} units whose data retention had deleted"
+    )
+    _write_record(store, version, record)
+    log.warning(
+        "store version %s: %d units' data had been deleted by retention; extracting them again from their plan records",
+        store.loc.url_of(version),
+        len(gone),
+    )
+    return gone
+
+
+def summary(store: Store, version: str) -> dict[str, Any]:
+    """What retention deleted from `version` so far: {'units': deleted or being deleted, 'of': planned units,
+    'bytes_deleted', 'bytes_freed', 'whole_version': bool, 'pending': waiting requests}."""
+    record = read_record(store, version)
+    all_units = sorted(set(store.units(version)) | set(store.planned_units(version)))
+    return {
+        "units": len(retired(record, all_units)),
+        "of": len(all_units),
+        "bytes_deleted": record.get("bytes_deleted", 0),
+        "bytes_freed": record.get("bytes_freed", 0),
+        "whole_version": version_retired(record) is not None,
+        "pending": len(pending_requests(store, version)),
+    }
+
+
+@dataclass
+class Report:
+    """What the retention step of a run did (the `store-retention` artifact, a line of the run summary)."""
+
+    mode: str
+    version: str
+    record: str  # where the version's record is
+    outcome: Outcome | None = None
+    request: str | None = None  # a deletion that waits, recorded here
+    note: str | None = None  # why nothing was due
+    swept: list[str] = field(default_factory=list)  # what waiting or interrupted deletions of any version did
+    so_far: dict[str, Any] = field(default_factory=dict)  # summary() of the version afterwards
+
+    @property
+    def bytes_freed(self) -> int:
+        return int(self.so_far.get("bytes_freed", 0))
+
+    def line(self) -> str:
+        head = f"retention {self.mode}: {self.version}"
+        if self.outcome is not None and self.outcome.skipped:
+            return (
+                f"{head}: not deleted now: {self.outcome.skipped}; the deletion waits in {self.request} (the next "
+                "run's retention step retries)"
+            )
+        s = self.so_far
+        return (
+            f"{head}: {s.get('units', 0)} of {s.get('of', 0)} units' data deleted so far "
+            f"({_mib(s.get('bytes_freed', 0))} freed)" + (f"; {self.note}" if self.note else "")
+        )
+
+    def to_markdown(self) -> str:
+        s = self.so_far
+        rows = [
+            ("mode", f"`retention.mode={self.mode}`"),
+            ("version", f"`{self.version}`"),
+            ("this step", self.outcome.line() if self.outcome else self.note or "-"),
+            (
+                "the version so far",
+                f"{s.get('units', 0)} of {s.get('of', 0)} units' data deleted; {_mib(s.get('bytes_deleted', 0))} "
+                f"deleted, {_mib(s.get('bytes_freed', 0))} freed",
+            ),
+            ("record", f"`{self.record}`"),
+        ]
+        if self.request:
+            rows.append(("waiting deletion", f"`{self.request}` (the next run's retention step retries)"))
+        for line in self.swept:
+            rows.append(("waiting / interrupted deletions", line))
+        if s.get("units"):
+            rows.append(("re-extract", REEXTRACT))
+        body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+        return f"# Store retention\n\n| item | value |\n| --- | --- |\n{body}\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
