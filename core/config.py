@@ -271,6 +271,25 @@ class PlanConfig(Section):
     )
 
 
+class RetentionConfig(Section):
+    """What happens to a store version's hidden states once training no longer needs them (storage/retention.py,
+    drafter/retention.py; docs/STORE.md, "Retention"). Off by default: nothing is deleted. Whatever the mode, data
+    are never deleted while another process reads them (reader leases), and what was deleted is recorded in the
+    version's retention.json, so readers, `dflash-pipeline verify` and validation name it (who, when, why) and a
+    rerun of extract re-extracts it."""
+
+    mode: Literal["keep", "after_export", "consumed"] = Field(
+        "keep",
+        description="'keep': never delete. 'after_export': once the train stage has exported a drafter trained from "
+        "a store version, delete that version's hidden states (its records stay). 'consumed': delete each unit as "
+        "soon as a saved training checkpoint covers the last time the training reads it (a resume never needs it); "
+        "with the default shuffled order that is during the last epoch. Local stores only.",
+    )
+    poll_s: float = Field(
+        2.0, gt=0, description="consumed: how often the train stage looks for a new checkpoint (seconds)."
+    )
+
+
 class ValidateConfig(Section):
     recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
     seed: int = 0
@@ -301,6 +320,7 @@ class RunConfig(Section):
     regenerate: RegenerateConfig = RegenerateConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+    retention: RetentionConfig = RetentionConfig()
     stages: list[Literal["regenerate", "prepare", "probe", "extract", "validate", "train", "evaluate"]] = Field(
         ["prepare", "probe", "extract", "validate", "train", "evaluate"],
         description="Stages to run, in pipeline order ('regenerate' rewrites the assistant turns with the "
@@ -338,6 +358,16 @@ class RunConfig(Section):
         if self.store_options and "://" not in self.store:
             raise ValueError(
                 f"store_options only apply to an s3:// store_path; the store is the local path {self.store}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _retention_needs_leases(self) -> RunConfig:
+        if self.retention.mode != "keep" and "://" in self.store:
+            raise ValueError(
+                f"retention.mode={self.retention.mode} needs a local store_path: it never deletes what a reader "
+                "reads, which it knows from reader leases (flock locks), and object storage has none. "
+                f"{self.store} keeps its data (retention.mode=keep); delete old versions with extract.keep_versions"
             )
         return self
 

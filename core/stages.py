@@ -6,7 +6,7 @@ Prefect tasks (artifacts, retries, one task per device), tests and benchmarks pa
 the stage functions directly. So a change to the pipeline's shape is made here, once.
 
     probe -> [regenerate] -> prepare -> estimate (disk check) -> plan -> extract (one worker per device)
-    -> validate -> promote CURRENT -> prune -> train -> evaluate
+    -> validate -> promote CURRENT -> prune -> train -> [retain] -> evaluate
 """
 
 from __future__ import annotations
@@ -171,26 +171,105 @@ def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, versi
     return result
 
 
-def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> TrainResult:
-    """Train (resuming from the last checkpoint) and export the drafter: one process on CPU or one GPU,
-    torchrun over every GPU otherwise."""
+def _train_world(cfg: RunConfig) -> int:
+    """Processes the train stage trains with: every GPU (torchrun) when there are several, else one."""
     import torch
 
+    gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
+    return gpus if gpus > 1 else 1
+
+
+def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> TrainResult:
+    """Train (resuming from the last checkpoint) and export the drafter: one process on CPU or one GPU,
+    torchrun over every GPU otherwise. Refused at once when it would read data that retention deleted; with
+    retention.mode=consumed, units are deleted as checkpoints cover their last use (drafter/retention.py)."""
     from dflash_pipeline.drafter.launch import train_with_torchrun
+    from dflash_pipeline.drafter.retention import training
     from dflash_pipeline.drafter.train import train as train_drafter
 
-    gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
-    if gpus > 1:
-        return train_with_torchrun(cfg, report, version, gpus)
-    return train_drafter(
-        cfg.train,
+    world = _train_world(cfg)
+    with training(
         cfg.store,
-        report,
+        cfg.store_options,
+        version,
+        cfg.train,
+        world,
         cfg.drafter_dir,
-        version=version,
-        progress=progress,
-        store_options=cfg.store_options,
-    )
+        cfg.retention.mode,
+        cfg.retention.poll_s,
+    ):
+        if world > 1:
+            return train_with_torchrun(cfg, report, version, world)
+        return train_drafter(
+            cfg.train,
+            cfg.store,
+            report,
+            cfg.drafter_dir,
+            version=version,
+            progress=progress,
+            store_options=cfg.store_options,
+        )
+
+
+def retain(cfg: RunConfig, version: str, export_dir: str | None):
+    """The retention step after training (retention.mode after_export or consumed; storage/retention.py): first
+    the deletions that wait (a reader held a lease, another run held the store lock) or were interrupted, of every
+    version; then `after_export` deletes `version`'s hidden states if the export records training from it, and
+    `consumed` deletes every unit the training's latest checkpoint covers. A deletion that cannot happen now (a
+    reader holds a lease on the version) waits in a request file for the next run. Returns retention.Report."""
+    import json
+
+    from dflash_pipeline.storage import retention
+    from dflash_pipeline.storage.location import LocalLocation
+
+    store = Store(cfg.store, cfg.store_options)
+    mode = cfg.retention.mode
+    rep = retention.Report(mode, version, store.loc.url_of(f"{version}/{retention.RECORD}"))
+    rep.swept = [o.line() for o in retention.sweep(store) if o.deleted or o.skipped or o.whole_version]
+    if mode == "after_export":
+        meta_path = Path(export_dir or "", "dflash_meta.json")
+        meta = json.loads(meta_path.read_text()) if export_dir and meta_path.is_file() else {}
+        if meta.get("store") != cfg.store or meta.get("store_version") != version:
+            rep.note = (
+                f"no exported drafter records training from {cfg.store} version {version} (export: {export_dir}, "
+                f"which records store {meta.get('store')!r} version {meta.get('store_version')!r})"
+            )
+        else:
+            weights = Path(export_dir, "model.safetensors")
+            entry = {
+                "mode": "after_export",
+                "why": f"a drafter trained from this version ({meta.get('steps')} steps) was exported to "
+                f"{export_dir}, and retention.mode=after_export deletes the hidden states it was trained from",
+                "export": {
+                    "path": str(export_dir),
+                    "weights": LocalLocation(weights.parent).digest_of(weights.name),  # size, XXH3-128
+                    "steps": meta.get("steps"),
+                    "store": meta.get("store"),
+                    "store_version": version,
+                },
+            }
+            rep.outcome = retention.retire(store, version, None, entry)
+            if rep.outcome.skipped:
+                rep.request = retention.request(store, version, None, entry, rep.outcome.skipped)
+    elif mode == "consumed":
+        from dflash_pipeline.drafter.retention import final_pass
+
+        rep.outcome, left = final_pass(
+            cfg.store, cfg.store_options, version, cfg.train, _train_world(cfg), cfg.drafter_dir
+        )
+        if rep.outcome is not None and rep.outcome.skipped and left:
+            entry = {
+                "mode": "consumed",
+                "why": f"the training writing {cfg.drafter_dir} consumed them (its latest checkpoint covers their "
+                "last use)",
+                "training": str(cfg.drafter_dir),
+            }
+            rep.request = retention.request(store, version, left, entry, rep.outcome.skipped)
+        elif rep.outcome is None:
+            rep.note = "every unit the training consumed was deleted at its checkpoint during training"
+    rep.so_far = retention.summary(store, version)
+    log.info("%s", rep.line())
+    return rep
 
 
 def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
@@ -236,6 +315,8 @@ class RunSummary:
     validation: str | None = None  # PASS / FAIL, None when not run
     pruned: list[str] = field(default_factory=list)
     drafter: str | None = None
+    retention: str | None = None  # what retention.mode deleted (None: keep)
+    bytes_freed: int | None = None  # by retention, from the trained version so far
     final_loss: float | None = None
     acceptance_length: float | None = None
     untrained_acceptance_length: float | None = None
@@ -257,6 +338,7 @@ class Runner(Protocol):
         self, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str
     ) -> ValidationReport: ...
     def train(self, cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult: ...
+    def retain(self, cfg: RunConfig, version: str, export_dir: str | None): ...
     def evaluate(self, cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport: ...
     def extracted(self, summary: RunSummary) -> None: ...
 
@@ -294,6 +376,9 @@ class LocalRunner:
 
     def train(self, cfg, report, version):
         return self._keep("train", train(cfg, report, version))
+
+    def retain(self, cfg, version, export_dir):
+        return self._keep("retain", retain(cfg, version, export_dir))
 
     def evaluate(self, cfg, report, export_dir):
         return self._keep("evaluate", evaluate(cfg, report, export_dir))
@@ -365,6 +450,9 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
             )
         trained = runner.train(cfg, report, version)
         summary.drafter, summary.final_loss = trained.export_dir, trained.final_loss
+        if cfg.retention.mode != "keep":  # off by default: then nothing is ever deleted
+            kept = runner.retain(cfg, version, trained.export_dir)
+            summary.retention, summary.bytes_freed = kept.line(), kept.bytes_freed
     if "evaluate" in stages:
         acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
         summary.acceptance_length = round(acceptance.acceptance_length, 3)

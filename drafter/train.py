@@ -87,10 +87,11 @@ def _build(
     from dflash_pipeline.storage.reader import HiddenStateDataset
 
     # A compact store's rows go to the device as stored (half the bytes) and are dequantized there (_micro_step).
-    ds = HiddenStateDataset(store_root, version, store_options, dequantize=False)
+    # retired="index": units that retention.mode=consumed deleted stay in the index (same order on resume).
+    ds = HiddenStateDataset(store_root, version, store_options, dequantize=False, retired="index")
     if len(ds) == 0:
         raise ConfigError(f"the store {store_root} (version {ds.version}) holds no committed samples to train on")
-    if cfg.distill and "last_hidden" not in ds[0]:
+    if cfg.distill and not ds.attrs.get("capture_last"):
         raise ConfigError(
             "train.distill=true needs the target's last hidden state in the store: re-extract with "
             "layers.capture_last=true, or set train.distill=false"

@@ -2,7 +2,7 @@
 each run as a Prefect task, extraction fanned out to one task per device.
 
     probe -> [regenerate] -> prepare -> plan -> extract (one task per device) -> validate -> promote CURRENT
-    -> prune -> train -> evaluate
+    -> prune -> train -> [retain] -> evaluate
 
 Every stage is resumable from its own durable record, so rerunning the flow after a crash (or on a finished
 store) redoes no finished work.
@@ -41,6 +41,7 @@ from dflash_pipeline.tasks.extract import extract_worker_task, plan_task, publis
 from dflash_pipeline.tasks.preflight import estimate_task
 from dflash_pipeline.tasks.prepare import prepare_task
 from dflash_pipeline.tasks.probe import probe_task
+from dflash_pipeline.tasks.retention import retain_task
 from dflash_pipeline.tasks.validate import validate_task
 
 
@@ -136,6 +137,7 @@ class PrefectRunner:
     plan = staticmethod(plan_task)
     validate = staticmethod(validate_task)
     train = staticmethod(train_task)
+    retain = staticmethod(retain_task)
     evaluate = staticmethod(evaluate_task)
     regenerate = staticmethod(regenerate_task)
     estimate = staticmethod(estimate_task)
