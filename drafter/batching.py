@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+
+from dflash_pipeline.drafter.head_loss import head_loss
 
 
 def collate(items: list[dict]) -> dict:
@@ -119,25 +120,23 @@ def block_loss(
     """Weighted mean over supervised block positions of CE(data token) or, with last_hidden, of
     KL(target || draft) where the target's distribution for token a+k comes from position a+k-1.
 
-    Only supervised positions go through lm_head (the vocabulary projection dominates memory)."""
+    Only supervised positions go through lm_head, a chunk at a time (drafter/head_loss.py). The statistics
+    are tensors on the loss's device, so a step needs no host synchronisation for them."""
     w = blk["weights"].reshape(-1)
     sel = (w > 0).nonzero().flatten()
     if sel.numel() == 0:  # keep the graph (DDP) with a zero loss
-        return out.sum() * 0.0, {"tokens": 0, "correct": 0}
+        zero = torch.zeros((), dtype=torch.long, device=out.device)
+        return out.sum() * 0.0, {"tokens": zero, "correct": zero}
     h = out.reshape(-1, out.shape[-1])[sel]
-    logp = F.log_softmax(head.logits(h).float(), dim=-1)
     labels = blk["labels"].reshape(-1)[sel]
-    if last_hidden is None:
-        per = -logp.gather(1, labels[:, None]).squeeze(1)
-    else:
+    target = None
+    if last_hidden is not None:
         b = last_hidden.shape[0]
         row = torch.arange(b, device=sel.device)[:, None, None].expand_as(blk["label_pos"]).reshape(-1)[sel]
         src = (blk["label_pos"].reshape(-1)[sel] - 1).clamp(min=0)
-        with torch.no_grad():
-            tlogp = F.log_softmax(head.target_logits(last_hidden[row, src]).float(), dim=-1)
-        per = (tlogp.exp() * (tlogp - logp)).sum(-1)
-    ws = w[sel]
-    loss = (per * ws).sum() / ws.sum()
-    with torch.no_grad():
-        correct = int((logp.argmax(-1) == labels).sum())
-    return loss, {"tokens": int(sel.numel()), "correct": correct}
+
+        def target(rows: slice) -> torch.Tensor:
+            return head.target_logits(last_hidden[row[rows], src[rows]])
+
+    loss, correct = head_loss(h, head.lm_head.weight, labels, w[sel], target)
+    return loss, {"tokens": torch.full((), sel.numel(), device=out.device), "correct": correct}

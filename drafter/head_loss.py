@@ -1,0 +1,102 @@
+"""The loss through the target's frozen lm_head, a chunk of rows at a time, with its gradient computed on the way.
+
+The vocabulary projection dominates training memory and much of its time: for an 8B target, 7,680
+supervised block positions x 151,936 tokens is 4.7 GB of float32 logits, and autograd keeps the logits, their
+log-softmax and their gradient alive at once. Here each chunk of rows is projected, reduced to its loss, and
+turned at once into the gradient with respect to the draft hidden states (dL/dh = (p - q) W, p the draft
+distribution, q the one-hot label or the target's distribution), so only one chunk's logits ever exist and
+the backward pass is a multiplication by the incoming gradient. Two matrix products per row (the forward and
+the input gradient; the head is frozen, so no weight gradient), as autograd would do, not three as
+recomputation in the backward would.
+
+The result equals `-log_softmax(h W^T)[label]` (or KL(target || draft)) weighted and averaged, with its gradient:
+tests/integration/test_drafter_model.py compares it with plain autograd in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_BYTES = 512 * 2**20  # float32 logits of one chunk
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float32 for bf16/fp16/fp32 logits; float64 stays float64 (the tests' exact reference)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, wn, target_logits, rows):
+        loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=h.device)
+        correct = torch.zeros((), dtype=torch.long, device=h.device)
+        grad = torch.empty_like(h) if h.requires_grad else None
+        for i in range(0, h.shape[0], rows):
+            s = slice(i, i + rows)
+            logits = _wide(h[s].to(weight.dtype) @ weight.t())
+            logp = torch.log_softmax(logits, dim=-1)
+            lab = labels[s]
+            correct += (logits.argmax(-1) == lab).sum()
+            del logits
+            if target_logits is None:
+                per = -logp.gather(1, lab[:, None]).squeeze(1)
+                q = None
+            else:
+                with torch.no_grad():
+                    tlogp = torch.log_softmax(_wide(target_logits(s)), dim=-1)
+                q = tlogp.exp()
+                per = (q * (tlogp - logp)).sum(-1)
+                del tlogp
+            loss += (per * wn[s]).sum()
+            if grad is not None:
+                g = logp.exp_()  # the draft distribution p, in place of logp
+                if q is None:
+                    g[torch.arange(g.shape[0], device=g.device), lab] -= 1.0
+                else:
+                    g -= q
+                g *= wn[s, None]
+                grad[s] = (g.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+
+
+def head_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    target_logits: Callable[[slice], torch.Tensor] | None = None,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean loss, number of rows whose argmax is the label) for draft hidden states h [N, H].
+
+    `weight` [V, H]: the frozen lm_head; `labels` [N]; `weights` [N] (>= 0, not all 0). With `target_logits`
+    (a function of a row slice giving the target's logits of those rows) the loss is KL(target || draft);
+    without it, cross-entropy on the labels. `rows`: rows per chunk (default: ~512 MiB of float32 logits)."""
+    wn = _wide(weights / weights.sum())
+    return _HeadLoss.apply(h, weight.detach(), labels, wn, target_logits, rows or chunk_rows(weight.shape[0]))
+
+
+def reference_head_loss(h, weight, labels, weights, target_logits=None):
+    """Plain autograd (all logits at once): what head_loss must equal. For tests."""
+    logits = _wide(h.to(weight.dtype) @ weight.t())
+    logp = F.log_softmax(logits, dim=-1)
+    if target_logits is None:
+        per = -logp.gather(1, labels[:, None]).squeeze(1)
+    else:
+        tlogp = F.log_softmax(_wide(target_logits(slice(None))), dim=-1)
+        per = (tlogp.exp() * (tlogp - logp)).sum(-1)
+    return (per * weights).sum() / weights.sum(), (logits.argmax(-1) == labels).sum()

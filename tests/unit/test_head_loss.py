@@ -1,0 +1,41 @@
+"""The chunked lm_head loss (drafter/head_loss.py) equals plain autograd over all logits, loss and gradient."""
+
+import pytest
+import torch
+
+from dflash_pipeline.drafter.head_loss import head_loss, reference_head_loss
+
+
+@pytest.mark.parametrize("distill", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 7, 64])
+def test_chunked_head_loss_equals_autograd(distill, rows):
+    g = torch.Generator().manual_seed(rows + 10 * distill)
+    n, hid, vocab = 23, 16, 97
+    h = torch.randn(n, hid, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hid, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[:5] = (h[:5] @ weight.t()).argmax(-1)  # some rows right, so `correct` is not trivially 0
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    weights[::4] = 0.0
+    last = torch.randn(n, hid, generator=g, dtype=torch.float64)
+    target = (lambda s: last[s] @ weight.t()) if distill else None
+
+    h1 = h.clone().requires_grad_(True)
+    loss1, correct1 = head_loss(h1, weight, labels, weights, target, rows=rows)
+    (loss1 * 0.37).backward()  # a scale, as gradient accumulation applies
+    h2 = h.clone().requires_grad_(True)
+    loss2, correct2 = reference_head_loss(h2, weight, labels, weights, target)
+    (loss2 * 0.37).backward()
+
+    assert int(correct1) == int(correct2) >= 5
+    torch.testing.assert_close(loss1, loss2, rtol=1e-12, atol=0)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
+    assert h1.grad[::4].abs().max() == 0  # zero-weight rows get no gradient
+
+
+def test_head_loss_without_grad_and_weight_untouched():
+    weight = torch.randn(11, 4, requires_grad=False)
+    h = torch.randn(5, 4)
+    loss, correct = head_loss(h, weight, torch.zeros(5, dtype=torch.long), torch.ones(5))
+    ref, _ = reference_head_loss(h, weight, torch.zeros(5, dtype=torch.long), torch.ones(5))
+    torch.testing.assert_close(loss, ref)
