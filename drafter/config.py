@@ -71,6 +71,11 @@ class TrainConfig(Section):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="'flex' builds block-sparse masks (CUDA); 'auto' = flex on CUDA when available, else sdpa."
     )
+    compile: Literal["auto", "off", "pointwise"] = Field(
+        "auto",
+        description="torch.compile of the draft layers' element-wise parts (norms, rotary, MLP gate), with dynamic "
+        "shapes: 'auto' = pointwise on CUDA, off on CPU (compiling costs more than it saves in short CPU runs).",
+    )
     output_dir: str | None = Field(
         None,
         description="Checkpoints, export, plot and metrics; None = given by "

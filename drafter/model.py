@@ -61,10 +61,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return POINTWISE.rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rope_tables(
@@ -86,6 +90,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.to(cos.dtype) * cos + rotated.to(cos.dtype) * sin).to(x.dtype)
 
 
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _Pointwise:
+    """The element-wise parts of a layer (norms, rotary, MLP gate), eager by default. `compile_pointwise()` swaps
+    in torch.compile'd versions with dynamic shapes: each fuses into one or two kernels, and, unlike a compiled
+    layer (whose flex-attention BlockMask carries the context length as a constant), never recompiles when a
+    batch's length changes. Training on CUDA does this (train.compile)."""
+
+    def __init__(self):
+        self.rms_norm, self.apply_rope, self.silu_gate = rms_norm, apply_rope, silu_gate
+
+
+POINTWISE = _Pointwise()
+
+
+def compile_pointwise() -> None:
+    if POINTWISE.rms_norm is rms_norm:
+        POINTWISE.rms_norm = torch.compile(rms_norm, dynamic=True)
+        POINTWISE.apply_rope = torch.compile(apply_rope, dynamic=True)
+        POINTWISE.silu_gate = torch.compile(silu_gate, dynamic=True)
+
+
+def eager_pointwise() -> None:
+    POINTWISE.__init__()
+
+
 class Attention(nn.Module):
     def __init__(self, s: DraftSpec):
         super().__init__()
@@ -104,7 +136,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, q_len, nh, hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(kv_in).view(b, -1, nkv, hd)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, -1, nkv, hd).transpose(1, 2)
-        q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
+        q, k = POINTWISE.apply_rope(q, *q_rope), POINTWISE.apply_rope(k, *kv_rope)
         if isinstance(mask, torch.Tensor) or mask is None:
             k = k.repeat_interleave(nh // nkv, dim=1)
             v = v.repeat_interleave(nh // nkv, dim=1)
@@ -124,7 +156,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(POINTWISE.silu_gate(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -118,19 +118,27 @@ def _build(
     compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
     head = load_target_head(report, dev, compute, need_norm=cfg.distill)
     model = DFlashDrafter(spec).to(dev)
+    if cfg.compile == "pointwise" or (cfg.compile == "auto" and dev.type == "cuda"):
+        from dflash_pipeline.drafter.model import compile_pointwise
+
+        compile_pointwise()
     return _Job(cfg, ds, spec, head, model, model, dev, compute, use_flex)
 
 
-def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> tuple[float, dict]:
-    """Forward + backward of one micro-batch; returns (loss, {'tokens', 'correct'})."""
+def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> tuple[torch.Tensor, dict]:
+    """Forward + backward of one micro-batch; returns (loss, {'tokens', 'correct'}) as device tensors (no host
+    synchronisation: the step reads them once, at its end), and the host-side counts 'queries', 'attn_pairs'."""
     cfg, dev = job.cfg, job.dev
     anchors, keep = sample_anchors(batch["loss_mask"], cfg.anchors_per_sample, torch.Generator().manual_seed(seed))
+    bs, (rows, t) = job.spec.block_size, batch["input_ids"].shape
+    # The work of this micro-batch, counted on the host (no sync): draft queries, and query-key pairs the
+    # attention must compute (a block's bs queries see the context before its anchor and the block itself).
+    work = (rows * anchors.shape[1] * bs, bs * int((anchors * keep).sum()) + rows * anchors.shape[1] * bs * bs)
     b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
     anchors, keep = anchors.to(dev), keep.to(dev)
     blk = block_inputs(
         b["input_ids"], b["loss_mask"], anchors, keep, job.spec.block_size, job.spec.mask_token_id, cfg.gamma
     )
-    t = b["input_ids"].shape[1]
     ctx_pos = torch.arange(t, device=dev).expand(len(anchors), t)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
     with contextlib.nullcontext() if sync else job.ddp.no_sync():  # forward and backward inside
@@ -147,7 +155,7 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
             )
             loss, stats = block_loss(out, job.head, blk, last)
         (loss * scale).backward()
-    return loss.item(), stats
+    return loss.detach(), {**stats, "queries": work[0], "attn_pairs": work[1]}
 
 
 def train(
@@ -200,12 +208,13 @@ def train(
             torch.distributed.barrier()
 
     tokens = wait = 0.0
+    work = {"supervised": 0.0, "queries": 0, "attn_pairs": 0}  # cumulative, this process (benchmarks' FLOP count)
     t0 = time.perf_counter()
     step, interrupted = start, False
     model.train()
     with StopOnSigterm() as stop:
         while step < total and not interrupted:
-            sums = torch.zeros(5, dtype=torch.float64)  # loss, tokens, supervised, correct, stop
+            sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, tokens, supervised, correct, stop
             for micro in range(cfg.grad_accum):
                 tw = time.perf_counter()
                 batch = next(batches)
@@ -214,10 +223,12 @@ def train(
                 loss, st = _micro_step(
                     job, batch, seed, d.world == 1 or micro == cfg.grad_accum - 1, 1 / cfg.grad_accum
                 )
-                sums += torch.tensor(
-                    [loss / cfg.grad_accum, float(batch["lengths"].sum()), st["tokens"], st["correct"], 0.0],
-                    dtype=torch.float64,
-                )
+                sums[0] += loss / cfg.grad_accum
+                sums[1] += float(batch["lengths"].sum())
+                sums[2] += st["tokens"]
+                sums[3] += st["correct"]
+                work["queries"] += st["queries"]
+                work["attn_pairs"] += st["attn_pairs"]
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
@@ -226,12 +237,13 @@ def train(
             step += 1
             sums[4] = float(stop.flag)
             if d.world > 1:  # one all-reduce: losses, counts and the stop flag agree on every rank
-                s = sums.to(d.device)
-                torch.distributed.all_reduce(s)
-                sums = s.cpu()
+                torch.distributed.all_reduce(sums)
                 sums[0] /= d.world
+            sums = sums.cpu()  # the step's one host synchronisation
             tokens += float(sums[1])
-            tps = tokens / max(time.perf_counter() - t0, 1e-9)
+            work["supervised"] += float(sums[2]) / d.world
+            now = time.perf_counter() - t0
+            tps = tokens / max(now, 1e-9)
             if step % cfg.log_every == 0 or step == total:
                 history.append(
                     {
@@ -240,6 +252,12 @@ def train(
                         "acc": float(sums[3] / max(sums[2], 1)),
                         "lr": sched.get_last_lr()[0],
                         "tokens_per_s": tps,
+                        # cumulative since this process started: all ranks' context tokens; this rank's time
+                        # waiting for data and its draft work (see bench/train_bench.py for the FLOP count)
+                        "tokens": tokens,
+                        "elapsed_s": round(now, 4),
+                        "data_wait_s": round(wait, 4),
+                        **work,
                     }
                 )
                 if progress and d.rank == 0:
