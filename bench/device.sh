@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU benchmarks, rerunnable by anyone (bench/RESULTS.md records what each gave).
+#
+#   bench/device.sh wheels            here (a machine with PyPI): the wheels the GPU host lacks, into .whl/
+#   bench/device.sh STEP [STEP ...]   on the GPU host, from the repository root: installs .whl/ and this package
+#                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
+#
+# STEPs: extract (8B and 27B extraction, bench/extract_bench.py), train (drafter training variants, short),
+# train-long (11 minutes of training, detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every
+# visible GPU: extraction and DDP training), conv (the 27B convolution kernel's numerics).
+# With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
+set -euo pipefail
+WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 fla-core==0.6.0)
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+
+if [[ ${1:-} == wheels ]]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "${WHEELS[@]}"
+  ls .whl
+  exit 0
+fi
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+cd bench
+for step in "$@"; do
+  echo "=== $step $(date -u +%FT%TZ)"
+  case $step in
+    extract) python3 extract_bench.py --shapes 8b,27b --tokens 2000000 --tokens-27b 200000 --no-save --skip-naive \
+               --writer-gib 0 --out "$OUT" 2>&1 | tee "$OUT/extract_log.txt" ;;
+    train) python3 train_bench.py --minutes 2 --warmup-minutes 0.75 --profile-steps 4 \
+             --variants "${TRAIN_VARIANTS:-defaults;compile=off}" --out "$OUT" 2>&1 | tee "$OUT/train_log.txt" ;;
+    # Longer than one device call (10 minutes): started detached (setsid outlives the call while the machine is
+    # held), then `collect` in the next call (within the machine's 30 s idle window) waits for it by its pid.
+    train-long) mkdir -p /tmp/train-long
+                setsid nohup python3 train_bench.py --reuse --minutes 11 --warmup-minutes 1 --profile-steps 4 \
+                  --out /tmp/train-long > /tmp/train-long/log.txt 2>&1 < /dev/null &
+                echo $! > /tmp/train-long/pid; echo "started, pid $(cat /tmp/train-long/pid)" ;;
+    collect) while kill -0 "$(cat /tmp/train-long/pid)" 2>/dev/null; do sleep 5; done
+             cp /tmp/train-long/* "$OUT/"; tail -4 "$OUT/log.txt" ;;
+    resume) python3 gpu_resume_bench.py --out "$OUT/resume" --tokens 200000 --kill-after-shard 40 2>&1 \
+              | tee "$OUT/resume_log.txt" ;;
+    scaling) python3 multi_gpu_bench.py --out "$OUT" --train-steps 200 2>&1 | tee "$OUT/scaling_log.txt" ;;
+    conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,283 @@
+"""Drafter training at steady state, from a store the pipeline's extractor wrote on local disk (issue 19, item 3).
+
+    python bench/train_bench.py --out $OUT --minutes 10                    # 8B shape on cuda:0, one long run
+    python bench/train_bench.py --out $OUT --minutes 1.5 --variants "compile=off;compile=layers" --profile-steps 5
+    python bench/train_bench.py --cpu-smoke --out /tmp/tb                  # tiny shape on CPU (checks the bench)
+
+1. A random-weight target of the shape is saved as a HF checkpoint under --work (kept: --reuse skips 1-2).
+2. The pipeline's worker (extraction/procs.run_in_process, its own process) extracts --tokens synthetic tokens
+   (lengths log-normal, median 900, clipped to [200, 4096]; every token supervised) into a Zarr store, with the
+   default extraction config (zstd, 128 MiB shards) and --precision.
+3. Each variant trains `drafter.train.train` (the pipeline's own training: store reader with DataLoader workers,
+   anchors, flex attention, the chunked lm_head loss) with the DFlash defaults: 5 draft layers, block 16, 512
+   anchors, batch 1, AdamW, bf16 autocast with fp32 master weights. It runs for --minutes, then gets SIGTERM
+   (the user's stop: a checkpoint at the next step boundary, into /dev/shm so the disk write stays out of the
+   figures' window, which ends at the last step anyway).
+4. Steady state = the steps after the first --warmup-minutes (compilation, cache warm-up): from train's per-step
+   history (cumulative tokens, time, data wait, work counts) the bench takes the differences over that window.
+
+FLOP count (useful work; a step's counts come from the training loop's history, see drafter/train.py):
+  C context tokens, Q draft queries (anchors x block), P attention query-key pairs (each block's queries see the
+  context before its anchor plus their own block), S supervised positions (rows through the lm_head);
+  H hidden, I MLP width, nh/nkv heads of head_dim d, K captured target layers, V vocabulary, L draft layers.
+  - fc (K*H -> H): 2*C*K*H*H forward + the same for its weight gradient (the stored states need no gradient).
+  - each draft layer, forward: q and o 2*Q*H*nh*d each; k and v over context + block 2*(C+Q)*H*nkv*d each;
+    MLP 3 * 2*Q*H*I; attention QK^T and PV 4*nh*d*P. Times 3 for forward + input gradient + weight gradient
+    (the first layer's q_proj needs no input gradient: counted anyway, < 0.3% of the total).
+  - frozen lm_head: 2*S*H*V forward + 2*S*H*V input gradient (no weight gradient); embedding lookups: 0.
+  - norms, rotary, softmax and the optimizer: not counted.
+MFU = FLOPs / time / peak, peak = a bf16 8192^3 GEMM measured in the same run (datasheet 989 TFLOP/s beside it).
+Data wait = time the training loop blocked on the next batch / wall time of the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from common import SHAPES, bench_probe, build_model, log, plan_store, synthetic_samples, worker_spec
+from instruments import matmul_peak
+
+DATASHEET_TFLOPS = 989.0
+
+
+def step_flops(spec, c: float, q: float, p: float, s: float) -> float:
+    """Useful FLOPs of the work counted (see the module docstring)."""
+    h, i, nh, nkv, d = (
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.head_dim,
+    )
+    k, v, layers = len(spec.target_layer_ids), spec.vocab_size, spec.num_hidden_layers
+    fc = 2 * (2 * c * k * h * h)
+    layer = 2 * 2 * q * h * nh * d + 2 * 2 * (c + q) * h * nkv * d + 3 * 2 * q * h * i + 4 * nh * d * p
+    head = 2 * (2 * s * h * v)
+    return fc + 3 * layers * layer + head
+
+
+def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction.procs import run_in_process
+
+    t = time.monotonic()
+    model = build_model(args.shape, device if device != "cpu" else "cpu", getattr(torch, dtype_name))
+    vocab = model.config.vocab_size
+    model.save_pretrained(work / "model")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"target built and saved in {time.monotonic() - t:.1f} s")
+    cfg = load_config(
+        None,
+        {
+            "output_dir": str(work),
+            "target.model_path": str(work / "model"),
+            "target.dtype": dtype_name,
+            "extract.devices": device,
+            "extract.store_precision": args.precision,
+        },
+    )
+    report = bench_probe(cfg)
+    ids = synthetic_samples(args.tokens, vocab, seed=1)
+    _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
+    r = run_in_process(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
+    log(f"store: {r.tokens} tokens at {r.tokens_per_s:,.0f} tokens/s (version {version})")
+    meta = {
+        "version": version,
+        "vocab": vocab,
+        "tokens": r.tokens,
+        "extract_tokens_per_s": r.tokens_per_s,
+        "report": report.to_json(),
+        "precision": args.precision,
+        "store_bytes": _bytes(work / "store"),
+    }
+    (work / "bench_store.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device: str, peak: float) -> dict:
+    from dflash_pipeline.drafter.config import TrainConfig
+    from dflash_pipeline.drafter.train import train
+    from dflash_pipeline.extraction.probe import ProbeReport
+
+    report = ProbeReport.from_json(meta["report"])
+    small = args.cpu_smoke
+    tc = TrainConfig(
+        **{
+            "block_size": 8 if small else 16,
+            "anchors_per_sample": 64 if small else 512,
+            "epochs": 10_000,
+            "batch_size": 1,
+            "num_workers": 4,
+            "checkpoint_every": 10**9,
+            "log_every": 1,
+            "device": device,
+            "mask_token": meta["vocab"] - 1,  # the bench target has no tokenizer: an id inside the embedding
+            **overrides,
+        }
+    )
+    out = Path("/dev/shm" if Path("/dev/shm").is_dir() and not small else work) / f"train-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    prof, marks = None, {}
+    warm_s = args.warmup_minutes * 60
+
+    def progress(step, total, loss, tps):
+        nonlocal prof
+        now = time.perf_counter()
+        marks.setdefault("first", now)
+        if args.profile_steps and prof is None and now - marks["first"] > warm_s:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]
+                + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            )
+            prof.start()
+            marks["prof_step"] = step
+        elif prof is not None and "prof_end" not in marks and step >= marks["prof_step"] + args.profile_steps:
+            prof.stop()
+            marks["prof_end"] = step
+
+    timer = threading.Timer(args.minutes * 60, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        r = train(tc, str(work / "store"), report, out, version=meta["version"], progress=progress)
+    finally:
+        timer.cancel()
+    hist = r.history
+    spec = _spec_of(tc, report, meta)
+    start = next((h for h in hist if h["elapsed_s"] >= warm_s), hist[len(hist) // 3])
+    end = hist[-1]
+    dt = end["elapsed_s"] - start["elapsed_s"]
+
+    def delta(k):
+        return end[k] - start[k]
+
+    fl = step_flops(spec, delta("tokens"), delta("queries"), delta("attn_pairs"), delta("supervised"))
+    res = {
+        "variant": name,
+        "overrides": overrides,
+        "steps_total": r.steps,
+        "window_steps": end["step"] - start["step"],
+        "window_s": dt,
+        "tokens_per_s": delta("tokens") / dt,
+        "samples_per_s": (end["step"] - start["step"]) / dt,
+        "tflops": fl / dt / 1e12,
+        "mfu": fl / dt / 1e12 / peak,
+        "mfu_datasheet": fl / dt / 1e12 / DATASHEET_TFLOPS,
+        "data_wait_fraction": delta("data_wait_s") / dt,
+        "flops_per_step": fl / max(end["step"] - start["step"], 1),
+        "queries_per_step": delta("queries") / max(end["step"] - start["step"], 1),
+        "supervised_per_step": delta("supervised") / max(end["step"] - start["step"], 1),
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "loss_first": r.first_loss,
+        "loss_last": end["loss"],
+        "whole_run_tokens_per_s": r.tokens_per_s,
+        "elapsed_s": r.elapsed_s,
+        "interrupted": r.interrupted,
+    }
+    if prof is not None:
+        if "prof_end" not in marks:
+            prof.stop()
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        (Path(args.out) / f"profile_{name}.txt").write_text(table)
+        res["profile_steps"] = [marks.get("prof_step"), marks.get("prof_end")]
+    shutil.rmtree(out, ignore_errors=True)
+    log(
+        f"[{name}] {res['tokens_per_s']:,.0f} tokens/s, MFU {res['mfu']:.3f} (datasheet {res['mfu_datasheet']:.3f}), "
+        f"data wait {res['data_wait_fraction']:.1%}, peak {res['peak_gpu_gib'] or 0:.1f} GiB, "
+        f"{res['window_steps']} steps in {dt:.0f} s"
+    )
+    return res
+
+
+def _spec_of(tc, report, meta):
+    from dflash_pipeline.drafter.target_head import draft_spec
+    from dflash_pipeline.storage.reader import HiddenStateDataset
+
+    ds = HiddenStateDataset(meta["store_root"], meta["version"])
+    return draft_spec(report.model_path, ds.layer_ids, tc, meta["vocab"] - 1)
+
+
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'compile=off;compile=layers,attention=sdpa' -> [(name, {field: value})]; '' -> the defaults."""
+    out = []
+    for part in [p for p in text.split(";") if p.strip()] or ["defaults"]:
+        kv = {}
+        if part != "defaults":
+            for item in part.split(","):
+                k, v = item.split("=", 1)
+                kv[k.strip()] = json.loads(v) if v.strip()[:1] in '0123456789[{tf-n"' else v.strip()
+        out.append((part.replace(",", "+").replace("=", "-"), kv))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, default=400_000, help="tokens in the store")
+    p.add_argument("--precision", default="full", help="extract.store_precision of the store")
+    p.add_argument("--minutes", type=float, default=10.0, help="training time per variant (warm-up included)")
+    p.add_argument("--warmup-minutes", type=float, default=1.0, help="excluded from the steady-state window")
+    p.add_argument(
+        "--variants", default="", help="';'-separated TrainConfig overrides, e.g. 'compile=off;compile=layers'"
+    )
+    p.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many steps after warm-up")
+    p.add_argument("--reuse", action="store_true", help="reuse the target and store in --work from an earlier run")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU: checks the bench, measures nothing")
+    p.add_argument("--work", default="/tmp/dflash-train-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    args = p.parse_args()
+    if args.cpu_smoke:
+        args.shape = "tiny-dense"
+    device = "cpu" if args.cpu_smoke else "cuda:0"
+    dtype_name = "float32" if args.cpu_smoke else "bfloat16"
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.reuse and (work / "bench_store.json").is_file():
+        meta = json.loads((work / "bench_store.json").read_text())
+        log(f"reusing the store of an earlier run: {meta['tokens']} tokens, version {meta['version']}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        meta = make_store(args, work, device, dtype_name)
+    meta["store_root"] = str(work / "store")
+    peak = matmul_peak(device)
+    log(f"matmul peak {peak:.0f} TFLOP/s")
+    res = {
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "matmul_peak_tflops": peak,
+        "store": {k: v for k, v in meta.items() if k != "report"},
+        "variants": [],
+    }
+    for name, overrides in parse_variants(args.variants):
+        res["variants"].append(run_variant(name, overrides, args, work, meta, device, peak))
+        (out / "train_bench.json").write_text(json.dumps(res, indent=2, default=str))
+    print("\nvariant | tokens/s | MFU | data wait | peak GiB | steps in window")
+    for v in res["variants"]:
+        print(
+            f"{v['variant']} | {v['tokens_per_s']:,.0f} | {v['mfu']:.3f} | {v['data_wait_fraction']:.2%} | "
+            f"{v['peak_gpu_gib'] or 0:.1f} | {v['window_steps']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
