@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check a store version completely; one line per problem, then a summary. Exit 0 healthy, 1 not."""
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.storage.retention import ReaderLease
+    from dflash_pipeline.storage.leases import ReaderLease
     from dflash_pipeline.storage.store import Store
     from dflash_pipeline.storage.verify import verify_version
 

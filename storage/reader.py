@@ -12,7 +12,7 @@ presence and size (a missing zarr shard would otherwise read back as zeros); wit
 for content: the unit's small files at first open, each shard the first time a sample in it is read (in each
 process; every byte is then read once more, once). storage/verify.py holds the checks.
 
-A reader holds a lease on its version for as long as it lives (storage/retention.py): retention and pruning
+A reader holds a lease on its version for as long as it lives (storage/leases.py): retention and pruning
 never delete a version, or units of one, that another process reads. Units whose data retention deleted are
 refused by name (with who, when, why and how to re-extract), never read as missing files or zeros.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant, retention
+from dflash_pipeline.storage import digest, leases, quant, retention
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
@@ -85,7 +85,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if self.version is None:
             raise FileNotFoundError(f"no store version under {self.store.url}")
         # The lease first, then the records: a deletion either sees this reader or marks before it reads them.
-        self._lease = retention.ReaderLease(self.store, self.version, "training" if retired == "index" else "reading")
+        self._lease = leases.ReaderLease(self.store, self.version, "training" if retired == "index" else "reading")
         try:
             self._open(partial, dequantize, retired)
         except BaseException:
@@ -211,7 +211,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         # A copy in another process (DataLoader workers under spawn) reads under its parent's lease.
         state = dict(self.__dict__)
-        state["_lease"] = retention.ReaderLease.detached()
+        state["_lease"] = leases.ReaderLease.detached()
         state["_arrays"], state["_pid"] = {}, None
         return state
 

@@ -1,5 +1,5 @@
-"""Retention: deleting a store version's hidden states once training no longer needs them, and reader leases,
-which keep a version from being deleted while anything reads it (docs/STORE.md, "Retention").
+"""Retention: deleting a store version's hidden states once training no longer needs them, never while a reader
+holds a lease on it (storage/leases.py; docs/STORE.md, "Retention").
 
 `retention.mode` (core/config.py): `keep` (the default: nothing is deleted), `after_export` (the version a
 drafter was trained from, once that drafter is exported), `consumed` (each unit as soon as a saved training
@@ -25,9 +25,7 @@ mark; a unit marked `deleting` or `deleted` is never read. A crash in (5) leaves
 
 from __future__ import annotations
 
-import getpass
 import itertools
-import json
 import logging
 import os
 import socket
@@ -35,21 +33,21 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage.commit import crash_point
+from dflash_pipeline.storage.leases import leases_line, live_leases, now_utc, who
 from dflash_pipeline.storage.location import LocalLocation
 
 if TYPE_CHECKING:
     from dflash_pipeline.storage.store import Store
 
 log = logging.getLogger(__name__)
+_requests = itertools.count()
 
 RECORD = "retention.json"
 PENDING_DIR = "retention.pending"
-LEASES = ".leases"
 PENDING, DELETING, DELETED = "pending", "deleting", "deleted"
 RETIRED_STATES = (DELETING, DELETED)
 MODES = ("after_export", "consumed", "prune")
@@ -61,19 +59,6 @@ REEXTRACT = (
     "'stages=[prepare,extract,validate]'`): the deleted units are recreated from their plan records and extracted "
     "again, bit for bit, then validated"
 )
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def who() -> str:
-    """This process, for records and lease files: user, host and pid."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container without passwd entry)
-        user = str(os.getuid())
-    return f"{user}@{socket.gethostname()} pid {os.getpid()}"
 
 
 # ---- the record -------------------------------------------------------------------------------------------
@@ -160,143 +145,6 @@ def describe(
     return f"{what} {state} by {by} {how}{after} at {entry.get('at')} by {entry.get('by')}: {entry.get('why')}" + (
         f". Nothing of them can be read; {REEXTRACT}" if hint else ""
     )
-
-
-# ---- reader leases ----------------------------------------------------------------------------------------
-_counter = itertools.count()
-_warned_no_lease: set[str] = set()
-
-
-class ReaderLease:
-    """A reader's claim on a store version: `<version>/.leases/<name>.lease`, held with an exclusive flock for
-    as long as the reader lives. Deletions (retention, pruning) skip a version, or the units of one, while
-    another process holds a lease on it. The file appears under its final name only once locked, so a lease
-    file nobody holds belongs to a reader that died (it is removed as stale).
-
-    `purpose`: "reading", or "training" (a training's reader; the training's own retention ignores its leases,
-    see `live_leases`). Object storage has no leases (retention refuses s3:// stores). A local store this process
-    cannot write (read-only permissions) is read without a lease, with a warning: deletions cannot see it.
-    A process forked from the holder (a DataLoader worker) shares the lock and never releases it."""
-
-    def __init__(self, store: Store, version: str, purpose: str = "reading"):
-        self.path: Path | None = None
-        self._fd: int | None = None
-        self._pid = os.getpid()
-        if not isinstance(store.loc, LocalLocation):
-            return
-        vdir = store.loc.root / version
-        d = vdir / LEASES
-        host = socket.gethostname()
-        name = f"{host}.{os.getpid()}.{next(_counter)}.{purpose}.lease"
-        info = {"purpose": purpose, "by": who(), "host": host, "pid": os.getpid(), "since": _now()}
-        for _ in range(5):
-            if not vdir.is_dir():
-                return  # no such version: the reader says so
-            tmp = d / f".{name}.tmp"
-            try:
-                d.mkdir(exist_ok=True)
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
-            except FileNotFoundError:  # the empty lease directory was removed meanwhile: again
-                continue
-            except OSError as e:
-                if str(vdir) not in _warned_no_lease:
-                    _warned_no_lease.add(str(vdir))
-                    log.warning(
-                        "reading %s without a reader lease (%s): retention and pruning cannot see this reader",
-                        vdir,
-                        e.strerror,
-                    )
-                return
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, json.dumps(info).encode())
-            os.rename(tmp, d / name)
-            self._fd, self.path = fd, d / name
-            return
-
-    @classmethod
-    def detached(cls) -> ReaderLease:
-        """No lease (a pickled copy of a reader in another process: its parent holds the lease)."""
-        lease = cls.__new__(cls)
-        lease.path, lease._fd, lease._pid = None, None, -1
-        return lease
-
-    def release(self) -> None:
-        if self._fd is None or os.getpid() != self._pid:  # a forked copy never touches its parent's lease
-            return
-        fd, path, self._fd = self._fd, self.path, None
-        try:
-            path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)  # releases the flock
-        try:
-            path.parent.rmdir()  # the last lease leaves no directory behind
-        except OSError:
-            pass
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit; the lock dies with the process anyway
-            pass
-
-
-def _ancestors(pid: int) -> set[int]:
-    """Process ids above `pid` (Linux /proc; empty where unavailable)."""
-    out: set[int] = set()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return out
-
-
-def live_leases(store: Store, version: str, ignore_own_training: bool = True) -> list[dict[str, Any]]:
-    """The leases on `version` held by live readers, as their lease files describe them; removes stale ones.
-    `ignore_own_training`: leave out the leases of a training run by this process or a process it started (the
-    training whose consumed units or export this process's retention deletes: it is done with them)."""
-    if not isinstance(store.loc, LocalLocation):
-        return []
-    import fcntl
-
-    d = store.loc.root / version / LEASES
-    live = []
-    for f in sorted(d.glob("*.lease")) if d.is_dir() else []:
-        try:
-            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    info = json.loads(os.read(fd, 1 << 16) or b"{}")
-                except ValueError:
-                    info = {}
-                info.setdefault("by", f"unknown reader ({f.name})")
-                own = (
-                    info.get("purpose") == "training"
-                    and info.get("host") == socket.gethostname()
-                    and os.getpid() in _ancestors(int(info.get("pid", 0)))
-                )
-                if not (own and ignore_own_training):
-                    live.append(info)
-                continue
-            log.info("removing stale reader lease %s (its reader is gone)", f)
-            f.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
-    return live
-
-
-def _leases_line(leases: list[dict[str, Any]]) -> str:
-    shown = "; ".join(f"{x.get('purpose', 'reading')} by {x.get('by')} since {x.get('since')}" for x in leases[:3])
-    return f"{len(leases)} reader lease(s) held: {shown}{' ...' if len(leases) > 3 else ''}"
 
 
 # ---- deleting ---------------------------------------------------------------------------------------------
@@ -395,7 +243,7 @@ def retire(
             return out
         leases = live_leases(store, version)
         if leases:
-            out.skipped = _leases_line(leases)
+            out.skipped = leases_line(leases)
             return out
         record = read_record(store, version)
         all_units = sorted(set(store.units(version)) | set(store.planned_units(version)))
@@ -404,7 +252,7 @@ def retire(
         if (units is None and (v := version_retired(record)) and v.get("state") == DELETED) or not doomed:
             out.note = "its data were deleted already" if already else "no units"
             return out
-        stamp = {**entry, "state": DELETING, "at": _now(), "by": who()}
+        stamp = {**entry, "state": DELETING, "at": now_utc(), "by": who()}
         if units is None:
             record["version"] = {**stamp, "units": len(doomed)}
         else:
@@ -416,7 +264,7 @@ def retire(
         leases = live_leases(store, version)
         if leases:  # registered before the mark: it may read them. Nothing is deleted yet: undo the mark
             _unmark(store, version, units is None, doomed)
-            out.skipped = _leases_line(leases)
+            out.skipped = leases_line(leases)
             return out
         out.deleted, out.bytes_deleted, out.bytes_freed = _finish(store, version, record, doomed, units is None)
     log.info("retention: %s", out.line())
@@ -455,7 +303,7 @@ def _finish(
             state=DELETED, bytes_deleted=v.get("bytes_deleted", 0) + total, bytes_freed=v.get("bytes_freed", 0) + freed
         )
     record.setdefault("history", []).append(
-        f"{_now()} {who()}: deleted {'the version' if whole else f'{len(doomed)} units'} ({_mib(total)}, "
+        f"{now_utc()} {who()}: deleted {'the version' if whole else f'{len(doomed)} units'} ({_mib(total)}, "
         f"{_mib(freed)} freed)"
     )
     _write_record(store, version, record)
@@ -471,14 +319,14 @@ def retire_whole_version(store: Store, version: str, entry: dict[str, Any], lock
             out.skipped = busy
             return out
         if leases := live_leases(store, version):
-            out.skipped = _leases_line(leases)
+            out.skipped = leases_line(leases)
             return out
         record = read_record(store, version)
-        record["prune"] = {**entry, "state": DELETING, "at": _now(), "by": who()}
+        record["prune"] = {**entry, "state": DELETING, "at": now_utc(), "by": who()}
         _write_record(store, version, record)
         if leases := live_leases(store, version):
             _unmark(store, version, True, [], "prune")
-            out.skipped = _leases_line(leases)
+            out.skipped = leases_line(leases)
             return out
         out.bytes_deleted, out.bytes_freed = _sizes(store, version)
         for u in store.loc.list_dirs(f"{version}/units"):  # the data first, the records last
@@ -491,13 +339,13 @@ def retire_whole_version(store: Store, version: str, entry: dict[str, Any], lock
 def request(store: Store, version: str, units: list[str] | None, entry: dict[str, Any], blocked_by: str) -> str:
     """Record a deletion that is due but could not be done now (one file, no lock needed; the same deletion
     requested again updates its file); returns its path."""
-    body = {**entry, "units": units, "requested_at": _now(), "by": who(), "blocked_by": blocked_by}
+    body = {**entry, "units": units, "requested_at": now_utc(), "by": who(), "blocked_by": blocked_by}
     same = ("mode", "units", "export", "training")
     existing = [
         n for n, req in pending_requests(store, version).items() if all(req.get(k) == body.get(k) for k in same)
     ]
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    name = existing[0] if existing else f"{stamp}-{socket.gethostname()}-{os.getpid()}-{next(_counter)}.json"
+    name = existing[0] if existing else f"{stamp}-{socket.gethostname()}-{os.getpid()}-{next(_requests)}.json"
     rel = f"{version}/{PENDING_DIR}/{name}"
     store.loc.write_json_atomic(rel, body)
     return store.loc.url_of(rel)
@@ -564,7 +412,7 @@ def _finish_interrupted(store: Store, version: str, record: dict[str, Any]) -> O
     mode = "prune" if pruning else record["version"]["mode"] if whole else "interrupted"
     out = Outcome(version, mode, whole_version=whole)
     if leases := live_leases(store, version):
-        out.skipped = _leases_line(leases)
+        out.skipped = leases_line(leases)
         return out
     if pruning:
         out.bytes_deleted, out.bytes_freed = _sizes(store, version)
@@ -598,7 +446,7 @@ def restore_for_extraction(store: Store, version: str) -> list[str]:
     for u in gone:
         (record.get("units") or {}).pop(u, None)
     record.setdefault("history", []).append(
-        f"{_now()} {who()}: re-extracting {len(gone)} units whose data retention had deleted"
+        f"{now_utc()} {who()}: re-extracting {len(gone)} units whose data retention had deleted"
     )
     _write_record(store, version, record)
     log.warning(

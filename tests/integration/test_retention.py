@@ -23,7 +23,7 @@ from dflash_pipeline.drafter.export import load_drafter
 from dflash_pipeline.drafter.retention import schedule, unit_index
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.stages import LocalRunner, run_pipeline
-from dflash_pipeline.storage import retention
+from dflash_pipeline.storage import leases, retention
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import assert_same_store, config, extract_local, snapshot
@@ -115,7 +115,7 @@ def test_after_export_deletes_the_trained_version_only(source, tmp_path, capsys)
     assert entry["export"]["weights"]["size"] == (Path(summary.drafter) / "model.safetensors").stat().st_size
     assert entry["by"].endswith(f"pid {os.getpid()}") and entry["at"] and "exported" in entry["why"]
     assert record["bytes_freed"] == summary.bytes_freed == entry["bytes_freed"]
-    assert not (vdir / retention.LEASES).exists()  # the training's lease went with it
+    assert not (vdir / leases.LEASES).exists()  # the training's lease went with it
     assert_same_store(snapshot(store, "v0002"), other)
     assert load_drafter(summary.drafter) is not None
 
@@ -155,7 +155,7 @@ def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path)
     # DataLoader workers forked from the reader share its lease and do not drop it when they exit.
     loader = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2, multiprocessing_context="fork")
     assert sum(1 for _ in loader) == len(reader)
-    assert len(retention.live_leases(store, version)) == 1
+    assert len(leases.live_leases(store, version)) == 1
     reader.close()
 
     # A reader in another process, SIGKILLed: its lease file stays behind, but not its lock.
@@ -167,15 +167,15 @@ def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path)
         [sys.executable, "-c", code, store.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT
     )
     assert proc.stdout.readline().strip() == b"ready"
-    held = retention.live_leases(store, version)
+    held = leases.live_leases(store, version)
     assert [x["pid"] for x in held] == [proc.pid] and held[0]["purpose"] == "reading"
     blocked = stages.retain(cfg, version, summary.drafter)
     assert f"pid {proc.pid}" in blocked.swept[0] and len(retention.pending_requests(store, version)) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert list((store.loc.root / version / retention.LEASES).glob("*.lease"))  # stale file left behind
+    assert list((store.loc.root / version / leases.LEASES).glob("*.lease"))  # stale file left behind
     done = stages.retain(cfg, version, summary.drafter)
-    assert retention.live_leases(store, version) == [] and retention.pending_requests(store, version) == {}
+    assert leases.live_leases(store, version) == [] and retention.pending_requests(store, version) == {}
     assert store.units(version) == [] and done.bytes_freed > 0
     assert retention.read_record(store, version)["version"]["by_request"].startswith("requested at")
 
