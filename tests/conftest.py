@@ -43,10 +43,13 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
+    """One Prefect server (SQLite in a temp dir) for the session, set as this process's API; its API URL, for
+    subprocesses (`PREFECT_API_URL=... dflash-pipeline run`) that need a server but are not about starting one."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ server, the guard), no worker spec file is left, the store verifies, and a rerun
 uninterrupted extraction.
 
 The CLI runs from another directory with a relative output_dir: exactly one store is written, where the user meant.
-Each forward is slowed down (tests/slowdown) so that the signal surely lands mid-extraction."""
+Each forward is slowed down (tests/slowdown) so that the signal surely lands mid-extraction. The stopped run starts
+Prefect's temporary server, as a user's first run does (it must be gone too); the rerun, the same command, runs
+against the session's Prefect server (PREFECT_API_URL, as with `dflash-pipeline serve`): what it proves is the
+store's resume, not a second temporary server's start-up."""
 
 from __future__ import annotations
 
@@ -39,10 +42,12 @@ OVERRIDES = {
 }
 
 
-def _cli(cwd: Path, tmpdir: Path, slow: bool) -> subprocess.Popen:
+def _cli(cwd: Path, tmpdir: Path, slow: bool, api_url: str | None = None) -> subprocess.Popen:
     sets = [f"--set={k}={json.dumps(v)}" for k, v in {**OVERRIDES, "output_dir": "run"}.items()]
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1"}
     env.pop("PREFECT_API_URL", None)  # the run's own temporary server, as a user's first run has
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     if slow:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "slowdown"), env.get("PYTHONPATH", "")])
         env["DFLASH_TEST_FORWARD_SLEEP"] = "0.4"
@@ -61,7 +66,9 @@ def _worker_pids(pid: int) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill", "worker-sigkill"])
-def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(how, clean_extraction, tmp_path):
+def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
+    how, clean_extraction, prefect_harness, tmp_path
+):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     cli = _cli(tmp_path, tmpdir, slow=True)
@@ -106,7 +113,7 @@ def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(how, clea
         assert "Traceback" not in out, out[-3000:]
     assert store.current() is None  # nothing half-done was published
 
-    rerun = _cli(tmp_path, tmpdir, slow=False)
+    rerun = _cli(tmp_path, tmpdir, slow=False, api_url=prefect_harness)
     assert rerun.wait(timeout=400) == 0, (tmp_path / "cli.out").read_text()[-3000:]
     assert [p.name for p in tmp_path.rglob("store") if p.is_dir()] == ["store"]  # one store, under cwd/run
     assert store.current() == "v0001" and verify_version(store, "v0001").ok
