@@ -77,10 +77,6 @@ def run_extract_proc(out: Path, overrides: dict[str, Any], kill_at: str | None =
     )
 
 
-def forward_passes(proc: subprocess.CompletedProcess) -> int:
-    return json.loads(proc.stdout.strip().splitlines()[-1])["forward_passes"]
-
-
 def snapshot(store: Store, version: str) -> dict:
     """Every unit's arrays (raw stored values), sample table and commit record."""
     snap = {}
