@@ -157,7 +157,7 @@ def wait_final(lp: LocalPrefect, run_ids: list, timeout: float) -> list:
             if time.monotonic() > deadline:
                 left = {str(r.id): r.state.name for r in runs if not (r.state and r.state.is_final())}
                 raise TimeoutError(f"{len(left)} flow runs not final after {timeout:.0f} s: {left}")
-            await asyncio.sleep(2)
+            await asyncio.sleep(0.5)
 
     return api(lp, go)
 

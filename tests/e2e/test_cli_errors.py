@@ -82,12 +82,13 @@ def test_unwritable_output_dir_as_any_user(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def test_an_error_in_the_flow_is_one_message_and_debug_shows_the_traceback(model_dir, tmp_path):
+def test_an_error_in_the_flow_is_one_message_and_debug_shows_the_traceback(model_dir, prefect_harness, tmp_path):
     """A user error found by a stage inside the flow (here: validate without a store): one message, no Prefect
-    traceback before it; --debug shows them."""
+    traceback before it (a user's plain run, with Prefect's temporary server); --debug shows them (run against the
+    session's server: what it shows does not depend on which server the flow reports to)."""
     sets = [f"output_dir={tmp_path}", "extract.devices=cpu", "data.max_samples=4", f"stages={json.dumps(['validate'])}"]
     res, _ = _run(tmp_path, *sets)
     assert res.returncode == 2 and "error: stages has validate without extract" in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    res, _ = _run(tmp_path, *sets, debug=True)
+    res, _ = _run(tmp_path, *sets, debug=True, env={"PREFECT_API_URL": prefect_harness})
     assert res.returncode == 2 and "Traceback" in res.stderr and "error: stages has validate" in res.stderr

@@ -3,7 +3,8 @@
 Starts `dflash-pipeline serve` (server, work pool, deployments/prefect.yaml, a worker), triggers runs the way the
 README does (`prefect deployment run ... -p overrides=...`, which replaces the whole `overrides` parameter), and
 checks states, task runs, artifacts, processes and the store through the API and on disk. One server for the
-module; the last tests kill its worker and SIGTERM `serve`; everything is stopped even when a test fails.
+module; the last tests kill its worker and SIGTERM `serve`, then start `serve` again on the same Prefect home and
+SIGKILL it; everything is stopped even when a test fails.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from tests.proctree import descendants, wait_gone
-from tests.serving import SMALL, TINY_TRAINING, api, logs, serve
+from tests.serving import SMALL, TINY_TRAINING, api, logs, serve, stop_serve
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +52,12 @@ def _worker_pid(lp: LocalPrefect) -> int:
 
 def _wait(lp: LocalPrefect, run_id: str, timeout: float = 400):
     async def go(client):
-        for _ in range(int(timeout / 2)):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             fr = await client.read_flow_run(run_id)
             if fr.state and fr.state.is_final():
                 return fr
-            await asyncio.sleep(2)
+            await asyncio.sleep(0.5)
         raise TimeoutError(f"flow run {run_id} not finished after {timeout} s")
 
     return api(lp, go)
@@ -153,13 +155,23 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
 def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_path):
     """Night 2's extraction worker is killed (no retries): the run fails naming the worker and its signal,
     CURRENT stays. Night 3 resumes the unfinished version and publishes it after validation. (A version whose
-    validation failed is discarded instead: tests/integration/test_nightly_recovery.py.)"""
+    validation failed is discarded instead: tests/integration/test_nightly_recovery.py, which also runs a first
+    night on an empty store.) Night 1, the published version the failed night must leave alone, is made in this
+    process from the nightly deployment's own preset (the flow's compose_overrides): only nights 2 and 3 need the
+    deployment."""
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.flows.pipeline import compose_overrides
+    from dflash_pipeline.stages import LocalRunner, run_pipeline
+
     rows = CONVERSATIONS_MESSAGES.read_text().splitlines()
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(rows[:20]) + "\n")
     overrides = {"output_dir": str(tmp_path), "data.source": str(data), **SMALL}
-    first = _wait(server, server.run_deployment("nightly", overrides))
-    assert first.state.is_completed(), first.state
+    (nightly,) = [d for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"] if d["name"] == "nightly"]
+    preset = nightly["parameters"]["preset"]
+    assert preset["extract.incremental"] and preset["extract.new_version"]
+    first = run_pipeline(load_config(None, compose_overrides(preset, overrides)), LocalRunner())
+    assert first.current == "v0001" and first.validation == "PASS"
     store = Store(tmp_path / "store")
     assert store.current() == "v0001"
 
@@ -262,10 +274,13 @@ def test_sigterm_stops_serve_and_everything_it_started(server):
     assert "database is locked" not in server.startup_logs
 
 
-def test_sigkill_of_serve_leaves_no_process(tmp_path, model_dir):
-    """SIGKILL runs no handler in serve: its guard process stops the server and worker it started."""
-    (tmp_path / "home").mkdir()
-    with serve(tmp_path / "home") as lp:
+def test_sigkill_of_serve_leaves_no_process(server, model_dir):
+    """`serve` started again on the Prefect home of the one stopped above (a user restarting it: its database,
+    work pool and deployments are found, not made again), then SIGKILLed. SIGKILL runs no handler in serve: its
+    guard process stops the server and worker it started."""
+    if server.serve_proc.poll() is None:  # the SIGTERM test above did not run (this test alone)
+        stop_serve(server)
+    with serve(server.home) as lp:
         started = descendants(lp.serve_proc.pid)
         assert any("server start" in c for c in started.values()), started
         lp.serve_proc.kill()
