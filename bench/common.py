@@ -166,6 +166,25 @@ def bench_probe(cfg):
     return probe(cfg.target, cfg.layers, cfg.extract, cfg.target.model_path, resolve_model("embedded"))
 
 
+def saved_target(shape: str, device: str, dtype_name: str, work: Path, overrides: dict):
+    """A random-weight target of `shape` saved under work/model (so worker processes and the training's head
+    loader read it from disk), the pipeline config for it with `overrides`, and the probe's report:
+    (cfg, report, vocab_size)."""
+    from dflash_pipeline.config import load_config
+
+    t = time.monotonic()
+    model = build_model(shape, device, getattr(torch, dtype_name))
+    vocab = model.config.vocab_size
+    model.save_pretrained(work / "model")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"target built and saved in {time.monotonic() - t:.1f} s")
+    base = {"output_dir": str(work), "target.model_path": str(work / "model"), "target.dtype": dtype_name}
+    cfg = load_config(None, {**base, **overrides})
+    return cfg, bench_probe(cfg), vocab
+
+
 def worker_spec(store_root, version: str, units: list[str], report, cfg, dtype_name: str, device: str, writers=None):
     """The WorkerSpec the pipeline would hand this device."""
     from dflash_pipeline.extraction.spec import WorkerSpec

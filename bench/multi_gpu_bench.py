@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from common import bench_probe, build_model, log, plan_store, synthetic_samples, worker_spec
+from common import bench_probe, log, plan_store, saved_target, synthetic_samples, worker_spec
 
 
 def split_replica(
@@ -87,7 +87,6 @@ def split_replica(
 
 
 def main() -> int:
-    from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction.plan import assign_units
     from dflash_pipeline.extraction.procs import run_in_process
 
@@ -108,24 +107,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"shape": shape, "devices": devices}
 
-    t = time.monotonic()
-    model = build_model(shape, "cpu" if args.cpu_smoke else "cuda:0", getattr(torch, dtype_name))
-    vocab = model.config.vocab_size
-    model.save_pretrained(work / "model")
-    del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    log(f"model built and saved in {time.monotonic() - t:.1f} s")
-    cfg = load_config(
-        None,
-        {
-            "output_dir": str(work),
-            "target.model_path": str(work / "model"),
-            "target.dtype": dtype_name,
-            "extract.devices": devices[0],
-            "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000),
-        },
+    cfg, report, vocab = saved_target(
+        shape,
+        devices[0],
+        dtype_name,
+        work,
+        {"extract.devices": devices[0], "extract.unit_tokens": max(args.tokens_per_gpu // 4, 1000)},
     )
-    report = bench_probe(cfg)
 
     # one device
     ids = synthetic_samples(args.tokens_per_gpu, vocab, seed=1)

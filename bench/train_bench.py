@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, bench_probe, build_model, log, plan_store, synthetic_samples, worker_spec
+from common import SHAPES, log, plan_store, saved_target, synthetic_samples, worker_spec
 from instruments import matmul_peak
 
 DATASHEET_TFLOPS = 989.0
@@ -66,28 +66,11 @@ def step_flops(spec, c: float, q: float, p: float, s: float) -> float:
 
 
 def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
-    from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction.procs import run_in_process
 
-    t = time.monotonic()
-    model = build_model(args.shape, device if device != "cpu" else "cpu", getattr(torch, dtype_name))
-    vocab = model.config.vocab_size
-    model.save_pretrained(work / "model")
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    log(f"target built and saved in {time.monotonic() - t:.1f} s")
-    cfg = load_config(
-        None,
-        {
-            "output_dir": str(work),
-            "target.model_path": str(work / "model"),
-            "target.dtype": dtype_name,
-            "extract.devices": device,
-            "extract.store_precision": args.precision,
-        },
+    cfg, report, vocab = saved_target(
+        args.shape, device, dtype_name, work, {"extract.devices": device, "extract.store_precision": args.precision}
     )
-    report = bench_probe(cfg)
     ids = synthetic_samples(args.tokens, vocab, seed=1)
     _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
     r = run_in_process(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
