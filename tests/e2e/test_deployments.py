@@ -24,17 +24,19 @@ from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from tests.proctree import descendants, wait_gone
-from tests.serving import SMALL, TINY_TRAINING, api, logs, serve, stop_serve
+from tests.serving import LOAD_SERVER_ENV, SMALL, TINY_TRAINING, api, logs, serve, stop_serve
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir, wheel_env):
     """`dflash-pipeline serve` as a user starts it after `pip install .` (the wheel, not this checkout), from a
     directory of their own, with its own Prefect home: server, worker and flow runs all run the installed package.
-    A handle for its API and CLI; everything it started is stopped even when a test fails."""
+    A handle for its API and CLI; everything it started is stopped even when a test fails. A run waiting for its
+    deployment's slot asks again after 5 s (Prefect's default: 30), as on the load test's server."""
     home = tmp_path_factory.mktemp("prefect_home")
     user_dir = tmp_path_factory.mktemp("user_dir")
-    with serve(home, python=wheel_env / "bin" / "python", workdir=user_dir, env={"PYTHONPATH": None}) as lp:
+    env = {"PYTHONPATH": None, **LOAD_SERVER_ENV}
+    with serve(home, python=wheel_env / "bin" / "python", workdir=user_dir, env=env) as lp:
         print(f"serve: up in {lp.startup_s:.0f} s")
         lp.startup_logs = "".join(logs(lp).values())
         yield lp
@@ -101,11 +103,14 @@ def shared_out(tmp_path_factory) -> Path:
 def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_out, tmp_path):
     """The README's `-p overrides='{"data.max_samples": ...}'` adds to a deployment; it never replaces what the
     deployment fixes (its stages, its store policy). Every deployment in prefect.yaml is run this way (nightly in
-    the test below); an override that contradicts a preset fails the run, naming the key."""
+    the test below); an override that contradicts a preset fails the run, naming the key. train-only trains from
+    the store extract-only made, so extract-only, on the way, runs its worker in a thread (the full run keeps the
+    default, a worker process)."""
     names = {d["name"] for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"]}
     assert names == {"full", "extract-only", "train-only", "nightly"}
     extract_only = server.run_deployment(
-        "extract-only", {"output_dir": str(shared_out), "data.max_samples": 8, **SMALL}
+        "extract-only",
+        {"output_dir": str(shared_out), "data.max_samples": 8, **SMALL, "extract.isolation": "thread"},
     )
     full = server.run_deployment("full", {"output_dir": str(tmp_path), "data.max_samples": 8, **SMALL, **TINY_TRAINING})
     conflict = server.run_deployment("extract-only", {"output_dir": str(tmp_path / "x"), "stages": ["train"]})
@@ -121,11 +126,6 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
     link = next(a for a in arts if a.key == "store").data
     assert f"(file://{shared_out}/store/v0001)" in link, link  # absolute: it opens from the UI
     assert Store(shared_out / "store").current() == "v0001"
-    # the logic packages' own loggers reach the UI, with rates
-    logs = _logs(server, extract_only)
-    assert any(r.name == "dflash_pipeline.extraction.extract" and "tokens/s" in r.message for r in logs), {
-        r.name for r in logs
-    }
 
     train_only = server.run_deployment("train-only", {"output_dir": str(shared_out), **SMALL, **TINY_TRAINING})
 
@@ -140,6 +140,11 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
         "evaluate",
     }
     assert (tmp_path / "drafter" / "export" / "config.json").exists()
+    # the logic packages' own loggers reach the UI, with rates
+    logs = _logs(server, full)
+    assert any(r.name == "dflash_pipeline.extraction.extract" and "tokens/s" in r.message for r in logs), {
+        r.name for r in logs
+    }
 
     fr = _wait(server, conflict)
     assert fr.state.is_failed() and "extract-only deployment fixes stages" in fr.state.message, fr.state
@@ -166,12 +171,12 @@ def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_
     rows = CONVERSATIONS_MESSAGES.read_text().splitlines()
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(rows[:20]) + "\n")
-    overrides = {"output_dir": str(tmp_path), "data.source": str(data), **SMALL}
+    # nights 1 and 3 run the worker in a thread (night 2's is a process, to be killed)
+    overrides = {"output_dir": str(tmp_path), "data.source": str(data), **SMALL, "extract.isolation": "thread"}
     (nightly,) = [d for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"] if d["name"] == "nightly"]
     preset = nightly["parameters"]["preset"]
     assert preset["extract.incremental"] and preset["extract.new_version"]
-    seed = {**overrides, "extract.isolation": "thread"}  # the worker in this process: a set-up step
-    first = run_pipeline(load_config(None, compose_overrides(preset, seed)), LocalRunner())
+    first = run_pipeline(load_config(None, compose_overrides(preset, overrides)), LocalRunner())
     assert first.current == "v0001" and first.validation == "PASS"
     store = Store(tmp_path / "store")
     assert store.current() == "v0001"
@@ -276,9 +281,9 @@ def test_sigterm_stops_serve_and_everything_it_started(server):
 
 
 def test_sigkill_of_serve_leaves_no_process(server, model_dir):
-    """`serve` started again on the Prefect home of the one stopped above (a user restarting it: its database,
-    work pool and deployments are found, not made again), then SIGKILLed. SIGKILL runs no handler in serve: its
-    guard process stops the server and worker it started."""
+    """`serve` started again on the Prefect home of the one stopped above (a user restarting it: its database and
+    work pool are found, not made again; the deployments are applied again), then SIGKILLed. SIGKILL runs no handler
+    in serve: its guard process stops the server and worker it started."""
     if server.serve_proc.poll() is None:  # the SIGTERM test above did not run (this test alone)
         stop_serve(server)
     with serve(server.home) as lp:
