@@ -50,7 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(
-            f"stopped ({e or 'Ctrl-C'}): extraction workers were stopped; what was committed is kept, and running "
+            f"stopped ({str(e) or 'Ctrl-C'}): extraction workers were stopped; what was committed is kept, and running "
             "the same command again resumes from there",
             file=sys.stderr,
         )

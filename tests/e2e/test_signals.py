@@ -113,7 +113,8 @@ def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
     assert not alive(workers)
     assert not list(tmpdir.glob("*.json")), "a worker spec file was left behind"
     if how in ("ctrl-c", "sigterm"):
-        assert rc == 130 and "stopped (" in out and "Traceback" not in out, out[-3000:]
+        said = "stopped (Ctrl-C)" if how == "ctrl-c" else "stopped (SIGTERM)"
+        assert rc == 130 and said in out and "Traceback" not in out, out[-3000:]
     elif how == "sigkill":
         assert rc == -signal.SIGKILL
     else:  # the run fails, naming the worker and its signal
