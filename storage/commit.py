@@ -69,10 +69,14 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written temp file (the caller reports the error)
+        raise
     if before_rename:
         before_rename()
     os.replace(tmp, path)
