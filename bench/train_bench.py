@@ -197,6 +197,14 @@ def _spec_of(tc, report, meta):
     return draft_spec(report.model_path, ds.layer_ids, tc, meta["vocab"] - 1)
 
 
+def _value(text: str):
+    """A variant's value: JSON where it parses (numbers, true/false, null, lists), else the plain string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def parse_variants(text: str) -> list[tuple[str, dict]]:
     """'compile=off;compile=layers,attention=sdpa' -> [(name, {field: value})]; '' -> the defaults."""
     out = []
@@ -205,7 +213,7 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
         if part != "defaults":
             for item in part.split(","):
                 k, v = item.split("=", 1)
-                kv[k.strip()] = json.loads(v) if v.strip()[:1] in '0123456789[{tf-n"' else v.strip()
+                kv[k.strip()] = _value(v.strip())
         out.append((part.replace(",", "+").replace("=", "-"), kv))
     return out
 
