@@ -75,6 +75,12 @@ SHAPES = {
 }
 
 
+def profile_table(prof) -> str:
+    """A torch.profiler run as a table, the GPU's time first (kernels by their own time)."""
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=60)
+
+
 def log(*a):
     print(time.strftime("%H:%M:%S"), *a, flush=True)
 

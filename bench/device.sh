@@ -5,8 +5,9 @@
 #   bench/device.sh STEP [STEP ...]   on the GPU host, from the repository root: installs .whl/ and this package
 #                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
 #
-# STEPs: extract (8B and 27B extraction, bench/extract_bench.py), train (drafter training variants, short),
-# train-long (11 minutes of training, detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every
+# STEPs: extract (8B and 27B extraction, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward and compile
+# variants of (a), the pipeline (b), a kernel profile), train (drafter training variants, short),
+# train-long (12 minutes of training, detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every
 # visible GPU: extraction and DDP training), conv (the 27B convolution kernel's numerics).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
 set -euo pipefail
@@ -34,12 +35,16 @@ for step in "$@"; do
   case $step in
     extract) python3 extract_bench.py --shapes 8b,27b --tokens 2000000 --tokens-27b 200000 --no-save --skip-naive \
                --writer-gib 0 --out "$OUT" 2>&1 | tee "$OUT/extract_log.txt" ;;
+    hybrid) python3 extract_bench.py --shapes 27b --tokens-27b "${HYBRID_TOKENS:-200000}" --no-save --skip-naive \
+              --writer-gib 0 --gdn-forward "${GDN_FORWARD:-auto}" --profile-a 2 --out "$OUT" \
+              --a-variants "${HYBRID_VARIANTS-gdn=transformers,compile=norms;gdn=fused,compile=norms}" 2>&1 \
+              | tee "$OUT/hybrid_log.txt" ;;
     train) python3 train_bench.py --minutes 2 --warmup-minutes 0.75 --profile-steps 4 \
              --variants "${TRAIN_VARIANTS:-defaults;compile=off}" --out "$OUT" 2>&1 | tee "$OUT/train_log.txt" ;;
-    # Longer than one device call (10 minutes): started detached (setsid outlives the call while the machine is
+    # 12 minutes (a window of >= 10 after 1 of warm-up and the stop), longer than one device call: started detached (setsid outlives the call while the machine is
     # held), then `collect` in the next call (within the machine's 30 s idle window) waits for it by its pid.
     train-long) mkdir -p /tmp/train-long
-                setsid nohup python3 train_bench.py --reuse --minutes 11 --warmup-minutes 1 --profile-steps 4 \
+                setsid nohup python3 train_bench.py --reuse --minutes 12 --warmup-minutes 1 --profile-steps 4 \
                   --out /tmp/train-long > /tmp/train-long/log.txt 2>&1 < /dev/null &
                 echo $! > /tmp/train-long/pid; echo "started, pid $(cat /tmp/train-long/pid)" ;;
     collect) while kill -0 "$(cat /tmp/train-long/pid)" 2>/dev/null; do sleep 5; done

@@ -45,6 +45,7 @@ from common import (
     dir_bytes,
     log,
     plan_store,
+    profile_table,
     synthetic_samples,
     worker_spec,
     write_manifest_checkpoint,
@@ -114,6 +115,22 @@ def measure_forward(model, report, batches, device, dtype, warm: bool = True) ->
         "gpu_busy": gpu / wall if gpu else None,
         "first_batch": first,
     }
+
+
+def profile_forward(model, report, batches, device, dtype, shape: str, out: str) -> str:
+    """torch.profiler over (a)'s forward on `batches` (already warm): the kernel table, into OUT/profile_SHAPE.txt."""
+    from dflash_pipeline.extraction.capture import LayerCapture
+    from dflash_pipeline.extraction.extract import _Runner
+
+    runner = _Runner(LayerCapture(model, report.layer_ids, report.capture_last), device, 0, dtype)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if "cuda" in device else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for b in batches:
+            runner.run(b)
+        sync(device)
+    path = Path(out) / f"profile_{shape}.txt"
+    path.write_text(profile_table(prof))
+    return path.name
 
 
 def measure_naive(model, report, samples, device, out_dir: Path) -> dict:
@@ -284,7 +301,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from dflash_pipeline.config import load_config
     from dflash_pipeline.extraction import loader as loader_mod
-    from dflash_pipeline.extraction.kernels import use_conv_kernel
+    from dflash_pipeline.extraction.kernels import use_conv_kernel, use_gdn_forward
     from dflash_pipeline.extraction.loader import compile_modules, load_planned, resolve_compile
 
     device = args.device
@@ -321,6 +338,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         "target.dtype": dtype_name,
         "extract.devices": device,
         "extract.conv_kernel": args.conv_kernel,
+        "extract.gdn_forward": args.gdn_forward,
         **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {}),
     }
     cfg = load_config(None, base)
@@ -360,30 +378,52 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     )
     total_flops = flops([len(s) for b in batches for s in b], lin, attn)
 
-    # (a), with the forward (b) will run (extract.compile as the pipeline resolves it), then other modes
+    # (a), with the forward (b) will run (extract.compile and extract.gdn_forward as the pipeline resolves them),
+    # then other compile modes and other (gdn_forward, compile) pairs
     b_mode = resolve_compile(cfg.extract.compile, cuda, report.layer_types)
-    modes = [b_mode] + [m for m in args.a_compile.split(",") if m and m != b_mode]
+    b_gdn = report.gdn_forward
+    res["gdn_forward"] = b_gdn
+    variants = [(b_gdn, b_mode)] + [(b_gdn, m) for m in args.a_compile.split(",") if m and m != b_mode]
+    for v in filter(None, args.a_variants.split(";")):
+        kv = dict(item.split("=", 1) for item in v.split(","))
+        if (kv.get("gdn", b_gdn), kv.get("compile", b_mode)) not in variants:
+            variants.append((kv.get("gdn", b_gdn), kv.get("compile", b_mode)))
     res["a_by_compile"] = {}
-    for mode in modes:
-        n = compile_modules(model, mode)
+    for gdn, mode in variants:
+        key = mode if gdn == b_gdn else f"gdn={gdn},compile={mode}"
         t = time.monotonic()
-        am = measure_forward(model, report, batches, device, dtype)
+        try:
+            fused_layers = use_gdn_forward(model, gdn)
+            n = compile_modules(model, mode)
+            am = measure_forward(model, report, batches, device, dtype)
+        except Exception as e:  # one broken variant must not cost the others' figures
+            if (gdn, mode) == (b_gdn, b_mode):
+                raise
+            res["a_by_compile"][key] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"{shape}: (a) gdn_forward={gdn} compile={mode} failed: {type(e).__name__}: {e}")
+            continue
         am.update(
             compile=mode,
+            gdn_forward=gdn,
+            fused_gdn_layers=fused_layers,
             compiled_modules=n,
             warm_and_measure_s=time.monotonic() - t,
             mfu=total_flops / am["seconds"] / 1e12 / peak_tflops,
         )
-        if mode == b_mode:
+        if (gdn, mode) == (b_gdn, b_mode):
             first = am.pop("first_batch")
             a = res["a"] = am
         else:
             am.pop("first_batch")
-        res["a_by_compile"][mode] = am
+        res["a_by_compile"][key] = am
         log(
-            f"{shape}: (a) compile={mode} ({n} modules): {am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, "
-            f"GPU busy {am['gpu_busy']}"
+            f"{shape}: (a) gdn_forward={gdn} ({fused_layers} fused) compile={mode} ({n} modules): "
+            f"{am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, GPU busy {am['gpu_busy']}"
         )
+    use_gdn_forward(model, b_gdn)  # what (b)'s worker gets when the model is handed over in memory
+    if args.profile_a:
+        compile_modules(model, b_mode)
+        res["profile_file"] = profile_forward(model, report, batches[: args.profile_a], device, dtype, shape, args.out)
     compile_modules(model, "off")
 
     # (c) on a prefix of the samples (original, unsorted order: the length mix)
@@ -492,10 +532,17 @@ def main():
         default="",
         help="also measure (a) with these extract.compile modes, e.g. 'off,layers' ((a) always runs the mode (b) uses)",
     )
+    p.add_argument("--profile-a", type=int, default=0, help="torch.profiler over this many of (a)'s batches")
+    p.add_argument(
+        "--a-variants",
+        default="",
+        help="';'-separated extra (a) runs, each 'gdn=fused|transformers,compile=MODE' (hybrid targets)",
+    )
     p.add_argument("--no-save", action="store_true", help="8b too: no checkpoint on disk, loader replaced (quick runs)")
     p.add_argument("--skip-naive", action="store_true", help="skip (c)")
     p.add_argument("--read-tokens", type=int, default=0, help="after each (b): reader tokens/s over this many tokens")
     p.add_argument("--conv-kernel", default="auto", help="extract.conv_kernel: auto, fla or transformers")
+    p.add_argument("--gdn-forward", default="auto", help="extract.gdn_forward: auto, fused or transformers")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()

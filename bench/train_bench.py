@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, log, plan_store, saved_target, synthetic_samples, worker_spec
+from common import SHAPES, log, plan_store, profile_table, saved_target, synthetic_samples, worker_spec
 from instruments import matmul_peak
 
 DATASHEET_TFLOPS = 989.0
@@ -176,9 +176,7 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
     if prof is not None:
         if "prof_end" not in marks:
             prof.stop()
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
-        (Path(args.out) / f"profile_{name}.txt").write_text(table)
+        (Path(args.out) / f"profile_{name}.txt").write_text(profile_table(prof))
         res["profile_steps"] = [marks.get("prof_step"), marks.get("prof_end")]
     shutil.rmtree(out, ignore_errors=True)
     log(

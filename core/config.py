@@ -195,11 +195,12 @@ class ExtractConfig(Section):
     shard_mib: float = Field(128.0, gt=0, description="Target size of one store shard file (MiB, raw).")
     chunk_mib: float = Field(4.0, gt=0, description="Target size of one compressed chunk inside a shard (MiB).")
     compression: Literal["zstd", "lz4", "none"] = Field("zstd", description="Codec for hidden states.")
-    compile: Literal["auto", "off", "norms", "layers"] = Field(
+    compile: Literal["auto", "off", "norms", "parts", "layers"] = Field(
         "auto",
-        description="torch.compile parts of the target for fused kernels: 'norms' (every RMSNorm), "
-        "'layers' (each decoder layer whole), 'off'. 'auto' on a GPU with triton: 'layers' for an all-softmax-"
-        "attention target, 'norms' for a hybrid (linear attention); else 'off'. "
+        description="torch.compile parts of the target for fused kernels: 'norms' (every RMSNorm, gated ones "
+        "too), 'parts' (norms and each decoder layer's MLP), 'layers' (each decoder layer whole), 'off'. 'auto' "
+        "on a GPU with triton: 'layers' for an all-softmax-attention target, 'parts' for a hybrid (linear "
+        "attention); else 'off'. "
         "A compile failure falls back to the eager forward with a warning.",
     )
     conv_kernel: Literal["auto", "fla", "transformers"] = Field(
@@ -207,6 +208,13 @@ class ExtractConfig(Section):
         description="Causal convolution of a hybrid target's Gated DeltaNet layers: 'fla' (flash-linear-attention's "
         "Triton kernel, ~10% faster end to end on the 27B shape), 'transformers' (its own choice: the causal-conv1d "
         "package if installed, else PyTorch). 'auto': 'fla' on a GPU with flash-linear-attention installed.",
+    )
+    gdn_forward: Literal["auto", "fused", "transformers"] = Field(
+        "auto",
+        description="Forward of a hybrid target's Gated DeltaNet layers: 'fused' (ours, on flash-linear-attention's "
+        "kernels: the Triton convolution without layout copies, grouped value heads, one fused gated RMSNorm; "
+        "same computation as transformers'), 'transformers' (the model class's own forward, where "
+        "extract.conv_kernel applies). 'auto': 'fused' on a GPU with flash-linear-attention installed.",
     )
     store_writers: Literal["auto", "processes", "threads"] = Field(
         "auto",

@@ -269,6 +269,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
             report,
             replicas=["cpu"],
             conv_kernel="transformers",
+            gdn_forward="transformers",
             attn_implementation="sdpa" if attn and "flash" in attn else attn,
         )
         spec = WorkerSpec(

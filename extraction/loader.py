@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipeline.errors import CompatError
-from dflash_pipeline.extraction.kernels import use_conv_kernel
+from dflash_pipeline.extraction.kernels import use_conv_kernel, use_gdn_forward
 from dflash_pipeline.extraction.placement import device_map_summary, replica_devices, split_device_map
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
     attention implementation and trust_remote_code, and on a split replica the same working-memory reserve
     and per-GPU cap. Every stage that runs the target loads it here."""
     use_conv_kernel(report.conv_kernel)
-    return load_target(
+    model = load_target(
         report.model_path,
         report.dtype_kwarg,
         dtype or report.compute_dtype,
@@ -77,6 +77,8 @@ def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
         working_bytes=report.working_gib * 2**30,
         max_gpu_memory_gib=report.max_gpu_memory_gib,
     )
+    use_gdn_forward(model, report.gdn_forward)
+    return model
 
 
 def load_compiled(report: ProbeReport, device: str, compile_mode: str) -> tuple[torch.nn.Module, str, int]:
@@ -105,20 +107,22 @@ def base_model(model):
     return base if base is not None else model.get_decoder()
 
 
-COMPILE_MODES = ("off", "norms", "layers")
+COMPILE_MODES = ("off", "norms", "parts", "layers")
 
 
 def resolve_compile(mode: str, cuda: bool, layer_types: list[str], split: bool = False) -> str:
     """'auto' on a GPU with torch.compile's GPU backend (triton): 'layers' when every decoder layer is softmax
-    attention (8B shape on one H200: forward 32.5k -> 42.2k tokens/s, bench/RESULTS.md), 'norms' for a
+    attention (8B shape on one H200: forward 32.5k -> 42.2k tokens/s, bench/RESULTS.md), 'parts' for a
     hybrid, whose linear-attention layers call flash-linear-attention's own kernels (whole-layer compiling
     did not finish within 4 minutes on the 27B shape; norms alone: 8.5k -> 9.2k tokens/s). A `split` replica
-    (layers on several GPUs behind accelerate's hooks) gets 'norms' too. Else 'off'."""
+    (layers on several GPUs behind accelerate's hooks) gets 'norms'. Else 'off'."""
     if mode != "auto":
         return mode
     if not cuda or importlib.util.find_spec("triton") is None:
         return "off"
-    return "norms" if split or "linear_attention" in layer_types else "layers"
+    if split:
+        return "norms"
+    return "parts" if "linear_attention" in layer_types else "layers"
 
 
 def is_compile_error(e: BaseException) -> bool:
@@ -145,12 +149,21 @@ def forward_or_eager(model, fn):
 
 def compile_modules(model, mode: str) -> int:
     """torch.compile parts of the target in place, so their elementwise work runs as fused kernels:
-    'norms' every RMSNorm module (in an eager forward each is ~6 kernels, each reading and writing the
-    activations), 'layers' every decoder layer whole; 'off' restores the eager forwards. Returns how many
-    modules are now compiled. Idempotent: a module is compiled once whatever the number of calls."""
+    'norms' every RMSNorm module, gated ones too (in an eager forward each is ~6-10 kernels, each reading and
+    writing the activations), 'parts' the norms and each decoder layer's MLP (its activation and product
+    fused into one kernel between the matmuls), 'layers' every decoder layer whole; 'off' restores the eager
+    forwards. Returns how many modules are now compiled. Idempotent: a module is compiled once whatever the
+    number of calls."""
     assert mode in COMPILE_MODES, mode
-    if mode == "norms":
-        want = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    if mode in ("norms", "parts"):
+        want = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
+        if mode == "parts":
+            # dense MLPs only: a mixture-of-experts block routes tokens with data-dependent shapes
+            want += [
+                layer.mlp
+                for layer in decoder_layers(model)
+                if type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
+            ]
     elif mode == "layers":
         want = list(decoder_layers(model))
         # Layers may differ in guarded attributes (layer index, attention type): room for one graph each.

@@ -18,7 +18,7 @@ import torch
 
 from dflash_pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError, ConfigError
-from dflash_pipeline.extraction.kernels import conv_kernel_choice
+from dflash_pipeline.extraction.kernels import conv_kernel_choice, gdn_forward_choice
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
@@ -79,6 +79,7 @@ class ProbeReport(Handoff):
     replicas: list[str] = field(default_factory=list)
     token_budget: int = AUTO_TOKEN_BUDGET_MAX  # padded tokens per forward batch (extract.token_budget, resolved)
     conv_kernel: str = "transformers"  # extract.conv_kernel resolved (extraction/kernels.py)
+    gdn_forward: str = "transformers"  # extract.gdn_forward resolved (extraction/kernels.py)
     max_gpu_memory_gib: float | None = None  # extract.max_gpu_memory_gib: the per-GPU cap the plan used
 
     @property
@@ -109,7 +110,7 @@ class ProbeReport(Handoff):
 | placement | {self.placement} |
 | weights / working memory per replica | {self.weights_gib:.2f} GiB / {self.working_gib:.2f} GiB |
 | tokens per forward batch | {self.token_budget} |
-| causal convolution (GDN layers) | {self.conv_kernel} |
+| Gated DeltaNet forward / causal convolution | {self.gdn_forward} / {self.conv_kernel} |
 
 ## Devices
 | device | kind | total GiB | free GiB |
@@ -297,6 +298,7 @@ def probe(
         )
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if kernels["flash-attn"] else [])
     devices = resolve_devices(extract.devices)
+    on_gpus = all(d.startswith("cuda") for d in devices)
     dtype = compute_dtype(target, devices)
     bpe = torch.finfo(getattr(torch, dtype)).bits // 8
     w_bytes = weights_bytes(model_path, bpe)
@@ -350,9 +352,8 @@ def probe(
         warnings=warnings,
         replicas=replicas,
         token_budget=budget,
-        conv_kernel=conv_kernel_choice(
-            extract.conv_kernel, hybrid, kernels["flash-linear-attention"], all(d.startswith("cuda") for d in devices)
-        ),
+        conv_kernel=conv_kernel_choice(extract.conv_kernel, hybrid, kernels["flash-linear-attention"], on_gpus),
+        gdn_forward=gdn_forward_choice(extract.gdn_forward, hybrid, kernels["flash-linear-attention"], on_gpus),
         max_gpu_memory_gib=extract.max_gpu_memory_gib,
     )
 

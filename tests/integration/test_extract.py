@@ -139,7 +139,7 @@ def test_compiled_norms_match_eager_and_a_failed_compile_falls_back(model_dir, m
 
     from dflash_pipeline.extraction.capture import LayerCapture
     from dflash_pipeline.extraction.extract import _Runner
-    from dflash_pipeline.extraction.loader import compile_modules
+    from dflash_pipeline.extraction.loader import compile_modules, decoder_layers
 
     model = load_target(model_dir, "dtype", "float32", "cpu")  # its own copy: compiling changes it
     seqs = [np.arange(7, 7 + n, dtype=np.int32) for n in (40, 23, 31)]
@@ -149,8 +149,11 @@ def test_compiled_norms_match_eager_and_a_failed_compile_falls_back(model_dir, m
         return torch.cat([rows["hidden"].flatten(1), rows["last_hidden"]], dim=1)
 
     eager = run()
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert compile_modules(model, "norms") == len(norms) > 0
+    norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
+    assert any(type(m).__name__.endswith("RMSNormGated") for m in norms)  # the hybrid's gated norms are in
+    mlps = [layer.mlp for layer in decoder_layers(model)]
+    assert compile_modules(model, "parts") == len(norms) + len(mlps) and "forward" in vars(mlps[0])
+    assert compile_modules(model, "norms") == len(norms) > 0 and "forward" not in vars(mlps[0])
     compiled_forward = norms[0].forward
     assert compile_modules(model, "norms") == len(norms) and norms[0].forward is compiled_forward  # once only
     torch._dynamo.reset()

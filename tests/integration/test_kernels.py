@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import CompatError
-from dflash_pipeline.extraction.kernels import CONV_MODULES, conv_kernel_choice, use_conv_kernel
+from dflash_pipeline.extraction.kernels import (
+    CONV_MODULES,
+    conv_kernel_choice,
+    fused_gdn_forward,
+    gdn_forward_choice,
+    gdn_layers,
+    torch_gdn_kernels,
+    use_conv_kernel,
+    use_gdn_forward,
+)
 from dflash_pipeline.extraction.loader import load_target
 
 
@@ -47,3 +56,56 @@ def test_the_swap_is_reversible_and_leaves_a_cpu_forward_unchanged(model_dir):
             use_conv_kernel("transformers")
     assert getattr(module.causal_conv1d_fn, "kernel", "transformers") == "transformers"
     assert torch.equal(ref, swapped)
+
+
+@pytest.mark.parametrize(
+    ("setting", "hybrid", "fla", "gpu", "expected"),
+    [
+        ("auto", True, True, True, "fused"),
+        ("auto", True, True, False, "transformers"),
+        ("auto", True, False, True, "transformers"),
+        ("auto", False, True, True, "transformers"),
+        ("transformers", True, True, True, "transformers"),
+        ("fused", True, True, False, "fused"),
+    ],
+)
+def test_the_probe_resolves_the_gdn_forward(setting, hybrid, fla, gpu, expected):
+    assert gdn_forward_choice(setting, hybrid, fla, gpu) == expected
+
+
+def test_asking_for_the_fused_forward_without_fla_names_the_package():
+    with pytest.raises(CompatError, match="pip install flash-linear-attention"):
+        gdn_forward_choice("fused", True, False, True)
+
+
+def test_the_fused_gdn_forward_computes_what_transformers_does(model_dir):
+    """The fused forward's arrangement of a Gated DeltaNet layer (projections, convolution on [B, T, D], grouped
+    value heads, gates, gated norm), run here with transformers' own PyTorch kernels: every layer's output is
+    bit-equal to transformers' forward, with and without a padding mask, and so are the logits of the whole
+    model once every layer runs it. (On a GPU the kernels are fla's; bench/RESULTS.md has their error against
+    a float32 reference per layer.)"""
+    model = load_target(model_dir, "dtype", "float32", "cpu")
+    layers = gdn_layers(model)
+    assert len(layers) == 6 and layers[0].num_v_heads > layers[0].num_k_heads  # grouped value heads
+    kernels = torch_gdn_kernels()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, model.config.hidden_size, generator=gen)
+    mask = torch.ones(2, 37, dtype=torch.long)
+    mask[1, 30:] = 0
+    with torch.no_grad():
+        for layer in layers:
+            for m in (None, mask):
+                assert torch.equal(fused_gdn_forward(layer, kernels, x, m), layer(x, attention_mask=m))
+
+        ids = torch.randint(5, 200, (2, 37), generator=gen)
+        ref = model(input_ids=ids).logits
+        calls = []
+        counting = kernels._replace(conv=lambda *a: calls.append(1) or kernels.conv(*a))
+        try:
+            assert use_gdn_forward(model, "fused", counting) == len(layers)
+            fused = model(input_ids=ids).logits
+        finally:
+            assert use_gdn_forward(model, "transformers") == 0
+        assert len(calls) == len(layers) and torch.equal(fused, ref)
+        assert not any("forward" in vars(m) for m in layers)  # back to the class's forward
+        assert torch.equal(model(input_ids=ids).logits, ref)
