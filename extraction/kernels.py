@@ -30,16 +30,26 @@ _ORIGINAL = "_dflash_original_causal_conv1d_fn"
 def conv_kernel_choice(setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
     """extract.conv_kernel resolved: 'fla' (Triton), or 'transformers' (its own choice: the causal-conv1d
     package when installed, else PyTorch)."""
+    return _fla_choice("conv_kernel", "fla", setting, hybrid, fla, gpu)
+
+
+def gdn_forward_choice(setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
+    """extract.gdn_forward resolved: 'fused' (ours, on fla's kernels) or 'transformers' (the class's forward)."""
+    return _fla_choice("gdn_forward", "fused", setting, hybrid, fla, gpu)
+
+
+def _fla_choice(field: str, on: str, setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
+    """A hybrid's flash-linear-attention option: `on` when asked for, or by 'auto' on GPUs with fla installed."""
     if setting == "transformers" or not hybrid:
         return "transformers"
-    if setting == "fla" and not fla:
+    if setting == on and not fla:
         from dflash_pipeline.errors import CompatError
 
         raise CompatError(
-            "extract.conv_kernel=fla needs flash-linear-attention: pip install flash-linear-attention "
-            "(or set extract.conv_kernel=auto)"
+            f"extract.{field}={on} needs flash-linear-attention: pip install flash-linear-attention "
+            f"(or set extract.{field}=auto)"
         )
-    return "fla" if fla and (gpu or setting == "fla") else "transformers"
+    return on if fla and (gpu or setting == on) else "transformers"
 
 
 def _fla_conv(original):
@@ -102,20 +112,6 @@ class GdnKernels(NamedTuple):
     delta_rule: Callable  # (q [B, T, H, K], k, v [B, T, HV, V], g [B, T, HV] log decay, beta) -> [B, T, HV, V]
     gated_norm: Callable  # (o [N, V], z [N, V], the layer's norm module) -> norm(o) * silu(z), [N, V]
     devices: tuple[str, ...]  # device types the kernels run on
-
-
-def gdn_forward_choice(setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
-    """extract.gdn_forward resolved: 'fused' (ours, on fla's kernels) or 'transformers' (the class's forward)."""
-    if setting == "transformers" or not hybrid:
-        return "transformers"
-    if setting == "fused" and not fla:
-        from dflash_pipeline.errors import CompatError
-
-        raise CompatError(
-            "extract.gdn_forward=fused needs flash-linear-attention: pip install flash-linear-attention "
-            "(or set extract.gdn_forward=auto)"
-        )
-    return "fused" if fla and (gpu or setting == "fused") else "transformers"
 
 
 def fla_gdn_kernels() -> GdnKernels:

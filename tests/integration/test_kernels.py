@@ -22,24 +22,33 @@ from dflash_pipeline.extraction.kernels import (
 from dflash_pipeline.extraction.loader import load_target
 
 
+@pytest.mark.parametrize(("choice", "on"), [(conv_kernel_choice, "fla"), (gdn_forward_choice, "fused")])
 @pytest.mark.parametrize(
     ("setting", "hybrid", "fla", "gpu", "expected"),
     [
-        ("auto", True, True, True, "fla"),
+        ("auto", True, True, True, "on"),
         ("auto", True, True, False, "transformers"),
         ("auto", True, False, True, "transformers"),
         ("auto", False, True, True, "transformers"),
         ("transformers", True, True, True, "transformers"),
-        ("fla", True, True, False, "fla"),
+        ("on", True, True, False, "on"),
     ],
 )
-def test_the_probe_resolves_the_conv_kernel(setting, hybrid, fla, gpu, expected):
-    assert conv_kernel_choice(setting, hybrid, fla, gpu) == expected
+def test_the_probe_resolves_the_hybrid_kernels(choice, on, setting, hybrid, fla, gpu, expected):
+    """extract.conv_kernel ('fla') and extract.gdn_forward ('fused') resolve alike."""
+    setting, expected = (on if v == "on" else v for v in (setting, expected))
+    assert choice(setting, hybrid, fla, gpu) == expected
 
 
-def test_asking_for_fla_without_it_names_the_package():
-    with pytest.raises(CompatError, match="pip install flash-linear-attention"):
-        conv_kernel_choice("fla", True, False, True)
+@pytest.mark.parametrize(
+    ("choice", "field", "on"),
+    [(conv_kernel_choice, "conv_kernel", "fla"), (gdn_forward_choice, "gdn_forward", "fused")],
+)
+def test_asking_for_an_fla_kernel_without_it_names_the_package(choice, field, on):
+    with pytest.raises(
+        CompatError, match=f"extract.{field}={on} needs flash-linear-attention: pip install flash-linear-attention"
+    ):
+        choice(on, True, False, True)
 
 
 def test_the_swap_is_reversible_and_leaves_a_cpu_forward_unchanged(model_dir):
@@ -56,26 +65,6 @@ def test_the_swap_is_reversible_and_leaves_a_cpu_forward_unchanged(model_dir):
             use_conv_kernel("transformers")
     assert getattr(module.causal_conv1d_fn, "kernel", "transformers") == "transformers"
     assert torch.equal(ref, swapped)
-
-
-@pytest.mark.parametrize(
-    ("setting", "hybrid", "fla", "gpu", "expected"),
-    [
-        ("auto", True, True, True, "fused"),
-        ("auto", True, True, False, "transformers"),
-        ("auto", True, False, True, "transformers"),
-        ("auto", False, True, True, "transformers"),
-        ("transformers", True, True, True, "transformers"),
-        ("fused", True, True, False, "fused"),
-    ],
-)
-def test_the_probe_resolves_the_gdn_forward(setting, hybrid, fla, gpu, expected):
-    assert gdn_forward_choice(setting, hybrid, fla, gpu) == expected
-
-
-def test_asking_for_the_fused_forward_without_fla_names_the_package():
-    with pytest.raises(CompatError, match="pip install flash-linear-attention"):
-        gdn_forward_choice("fused", True, False, True)
 
 
 def test_the_fused_gdn_forward_computes_what_transformers_does(model_dir):
