@@ -5,7 +5,7 @@
 #   bench/device.sh STEP [STEP ...]   on the GPU host, from the repository root: installs .whl/ and this package
 #                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
 #
-# STEPs: extract (8B and 27B extraction, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward and compile
+# STEPs: extract (8B extraction, 2M tokens, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward and compile
 # variants of (a), the pipeline (b), a kernel profile), train (drafter training variants, short),
 # train-long (12 minutes of training, detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every
 # visible GPU: extraction and DDP training), conv (the 27B convolution kernel's numerics).
@@ -33,7 +33,7 @@ cd bench
 for step in "$@"; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
-    extract) python3 extract_bench.py --shapes 8b,27b --tokens 2000000 --tokens-27b 200000 --no-save --skip-naive \
+    extract) python3 extract_bench.py --shapes 8b --tokens 2000000 --no-save --skip-naive \
                --writer-gib 0 --out "$OUT" 2>&1 | tee "$OUT/extract_log.txt" ;;
     hybrid) python3 extract_bench.py --shapes 27b --tokens-27b "${HYBRID_TOKENS:-200000}" --no-save --skip-naive \
               --writer-gib 0 --gdn-forward "${GDN_FORWARD:-auto}" --profile-a 2 --out "$OUT" \
