@@ -5,10 +5,11 @@
 #   bench/device.sh STEP [STEP ...]   on the GPU host, from the repository root: installs .whl/ and this package
 #                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
 #
-# STEPs: extract (8B extraction, 2M tokens, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward and compile
-# variants of (a), the pipeline (b), a kernel profile), train (drafter training variants, short),
-# train-long (12 minutes of training, detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every
-# visible GPU: extraction and DDP training), conv (the 27B convolution kernel's numerics).
+# STEPs: extract (8B extraction, 2M tokens, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward
+# and compile variants of (a), the pipeline (b), a kernel profile; HYBRID_TOKENS, HYBRID_VARIANTS), train
+# (drafter training variants, short), train-long (12 minutes of training, detached; then `collect` in a later
+# call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU: extraction and DDP training),
+# conv (the hybrid kernels' error per layer against float32: fla's convolution, the fused GDN forward).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
 set -euo pipefail
 WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
