@@ -83,6 +83,12 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
                 "flash-linear-attention",
             )
         },
+        # the forward that computed the states, as the probe resolved the 'auto' settings of run_config
+        "forward": {
+            "gdn_forward": report.gdn_forward,
+            "conv_kernel": report.conv_kernel,
+            "attn_implementation": report.attn_implementation,
+        },
         "dflash_pipeline_git": _git_revision(),
         "run_config": cfg.dump(),
     }

@@ -63,6 +63,12 @@ def test_store_reads_with_plain_zarr_as_documented(small_store):
     root, version = small_store.store, small_store.plan.version
     g = zarr.open_group(f"{root}/{version}", mode="r")
     assert g.attrs["layer_ids"] == [1, 2, 3] and g.attrs["logical_dtype"] == "float32"
+    # which forward computed the states (a CPU run: transformers' Gated DeltaNet forward and convolution)
+    assert g.attrs["forward"] == {
+        "gdn_forward": "transformers",
+        "conv_kernel": "transformers",
+        "attn_implementation": None,
+    }
     ds = HiddenStateDataset(root, version)
     n = 0
     for name, unit in g["units"].groups():
