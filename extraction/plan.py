@@ -83,7 +83,7 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
                 "flash-linear-attention",
             )
         },
-        # the forward that computed the states, as the probe resolved the 'auto' settings of run_config
+        # the forward of the run that creates the version, as the probe resolved run_config's 'auto' settings
         "forward": {
             "gdn_forward": report.gdn_forward,
             "conv_kernel": report.conv_kernel,
