@@ -1,4 +1,5 @@
-"""Faster kernels for the parts of a hybrid target that transformers runs in PyTorch.
+"""Faster kernels for the parts of a hybrid target that transformers runs in PyTorch: the causal convolution of
+its Gated DeltaNet layers (extract.conv_kernel), and those layers' whole forward (extract.gdn_forward, below).
 
 transformers' Gated DeltaNet layers (qwen3_5, qwen3_next) call a module-level `causal_conv1d_fn` on a
 [B, D, T] tensor; without the causal-conv1d CUDA package (which needs compiling) that is an F.conv1d fallback.
@@ -188,11 +189,16 @@ def use_gdn_forward(model, choice: str, kernels: GdnKernels | None = None) -> in
     elif kernels is None and layers:
         kernels = fla_gdn_kernels()
     for m in layers:
-        if "_dflash_gdn_forward" in vars(m):  # undo an earlier choice first
-            del m.forward, m._dflash_gdn_forward
+        if "_dflash_gdn_original" in vars(m):  # undo an earlier choice first, keeping a hook accelerate put there
+            original = m._dflash_gdn_original
+            del m._dflash_gdn_original
+            if original is None:
+                del m.forward
+            else:
+                m.forward = original
         if kernels is not None:
-            m._dflash_gdn_forward = _fused_or_original(m, m.forward, kernels)
-            m.forward = m._dflash_gdn_forward
+            m._dflash_gdn_original = vars(m).get("forward")  # None: the class's forward
+            m.forward = _fused_or_original(m, m.forward, kernels)
     if layers and choice == "fused":
         log.info("Gated DeltaNet forward: fused on flash-linear-attention kernels (%d layers)", len(layers))
     return len(layers) if choice == "fused" else 0

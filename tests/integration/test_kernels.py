@@ -3,6 +3,7 @@ changing what a CPU forward computes (the Triton kernel itself runs on GPUs only
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -97,4 +98,11 @@ def test_the_fused_gdn_forward_computes_what_transformers_does(model_dir):
             assert use_gdn_forward(model, "transformers") == 0
         assert len(calls) == len(layers) and torch.equal(fused, ref)
         assert not any("forward" in vars(m) for m in layers)  # back to the class's forward
+
+        # a forward someone else put on the instance (accelerate's device hooks do) is kept and restored
+        hooked = layers[0].forward = functools.partial(type(layers[0]).forward, layers[0])
+        use_gdn_forward(model, "fused", kernels)
+        assert layers[0].forward is not hooked
+        use_gdn_forward(model, "transformers")
+        assert layers[0].forward is hooked
         assert torch.equal(model(input_ids=ids).logits, ref)
