@@ -6,7 +6,7 @@
 #                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
 #
 # STEPs: extract (8B extraction, 2M tokens, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward
-# and compile variants of (a), the pipeline (b), a kernel profile; HYBRID_TOKENS, HYBRID_VARIANTS), train
+# and compile variants of (a), the pipeline (b), a kernel profile; HYBRID_TOKENS, HYBRID_VARIANTS, GDN_FORWARD), train
 # (drafter training variants, short), train-long (12 minutes of training, detached; then `collect` in a later
 # call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU: extraction and DDP training),
 # conv (the hybrid kernels' error per layer against float32: fla's convolution, the fused GDN forward).

@@ -212,9 +212,10 @@ class ExtractConfig(Section):
     gdn_forward: Literal["auto", "fused", "transformers"] = Field(
         "auto",
         description="Forward of a hybrid target's Gated DeltaNet layers: 'fused' (ours, on flash-linear-attention's "
-        "kernels: the Triton convolution without layout copies, grouped value heads, one fused gated RMSNorm; "
-        "same computation as transformers'), 'transformers' (the model class's own forward, where "
-        "extract.conv_kernel applies). 'auto': 'fused' on a GPU with flash-linear-attention installed.",
+        "kernels: the Triton convolution on the projection's own layout, grouped value heads, one fused gated "
+        "RMSNorm; same computation as transformers'), 'transformers' (the model class's own forward, where "
+        "extract.conv_kernel applies). 'auto': 'fused' for a Qwen3.5/3.6 target on GPUs with "
+        "flash-linear-attention >= 0.5 installed, else 'transformers'.",
     )
     store_writers: Literal["auto", "processes", "threads"] = Field(
         "auto",

@@ -31,26 +31,16 @@ _ORIGINAL = "_dflash_original_causal_conv1d_fn"
 def conv_kernel_choice(setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
     """extract.conv_kernel resolved: 'fla' (Triton), or 'transformers' (its own choice: the causal-conv1d
     package when installed, else PyTorch)."""
-    return _fla_choice("conv_kernel", "fla", setting, hybrid, fla, gpu)
-
-
-def gdn_forward_choice(setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
-    """extract.gdn_forward resolved: 'fused' (ours, on fla's kernels) or 'transformers' (the class's forward)."""
-    return _fla_choice("gdn_forward", "fused", setting, hybrid, fla, gpu)
-
-
-def _fla_choice(field: str, on: str, setting: str, hybrid: bool, fla: bool, gpu: bool) -> str:
-    """A hybrid's flash-linear-attention option: `on` when asked for, or by 'auto' on GPUs with fla installed."""
     if setting == "transformers" or not hybrid:
         return "transformers"
-    if setting == on and not fla:
+    if setting == "fla" and not fla:
         from dflash_pipeline.errors import CompatError
 
         raise CompatError(
-            f"extract.{field}={on} needs flash-linear-attention: pip install flash-linear-attention "
-            f"(or set extract.{field}=auto)"
+            "extract.conv_kernel=fla needs flash-linear-attention: pip install flash-linear-attention "
+            "(or set extract.conv_kernel=auto)"
         )
-    return on if fla and (gpu or setting == on) else "transformers"
+    return "fla" if fla and (gpu or setting == "fla") else "transformers"
 
 
 def _fla_conv(original):
@@ -96,7 +86,7 @@ def use_conv_kernel(kernel: str) -> list[str]:
 #
 # transformers' forward of a Qwen3.5/3.6 Gated DeltaNet layer reaches flash-linear-attention for the chunked delta
 # rule only; around it, a [B, T, D] <-> [B, D, T] round trip for the convolution, query/key heads repeated up to the
-# value heads, and the gated RMSNorm as ~10 PyTorch kernels in float32 over every value channel. `fused` is the
+# value heads (older versions), and the gated RMSNorm as ~10 PyTorch kernels in float32 over every value channel. `fused` is the
 # same computation in the order transformers does it, on fla's kernels: the Triton convolution straight on the
 # projection's [B, T, D] output, the delta rule with grouped value heads (fla >= 0.5) and l2-normalised q/k in the
 # kernel, and fla's fused gated RMSNorm (one kernel). bench/RESULTS.md has its speed and its error against a
@@ -113,6 +103,45 @@ class GdnKernels(NamedTuple):
     delta_rule: Callable  # (q [B, T, H, K], k, v [B, T, HV, V], g [B, T, HV] log decay, beta) -> [B, T, HV, V]
     gated_norm: Callable  # (o [N, V], z [N, V], the layer's norm module) -> norm(o) * silu(z), [N, V]
     devices: tuple[str, ...]  # device types the kernels run on
+
+
+# Model types (prefixes) whose Gated DeltaNet layers have the projections the fused forward reads (GDN_PARTS):
+# qwen3_5, qwen3_5_text, qwen3_5_moe, ... Qwen3-Next packs them differently (in_proj_qkvz, in_proj_ba).
+FUSED_MODEL_TYPES = ("qwen3_5",)
+FLA_GROUPED_HEADS = (0, 5)  # fla takes fewer query/key heads than value heads from this version on
+
+
+def fla_version() -> tuple[int, ...] | None:
+    try:
+        import fla
+
+        return tuple(int(x) for x in fla.__version__.split(".")[:2])
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def gdn_forward_choice(setting: str, hybrid: bool, model_type: str, fla: tuple[int, ...] | None, gpu: bool) -> str:
+    """extract.gdn_forward resolved: 'fused' (ours, on fla's kernels: `fla` is its version, None when it is not
+    installed) or 'transformers' (the class's forward). 'auto' takes 'fused' wherever it runs; an explicit
+    'fused' that cannot run is an error naming why."""
+    if setting == "transformers" or not hybrid:
+        return "transformers"
+    if not model_type.startswith(FUSED_MODEL_TYPES):
+        why = f"it covers Qwen3.5/3.6 Gated DeltaNet layers (model types {FUSED_MODEL_TYPES[0]}*), not {model_type!r}"
+    elif fla is None:
+        why = "it needs flash-linear-attention: pip install flash-linear-attention"
+    elif fla < FLA_GROUPED_HEADS:
+        version = ".".join(map(str, fla))
+        why = f"flash-linear-attention {version} predates grouped value heads: pip install -U flash-linear-attention"
+    elif not gpu:
+        why = "fla's Triton kernels run on CUDA GPUs, and extract.devices names none"
+    else:
+        return "fused"
+    if setting == "fused":
+        from dflash_pipeline.errors import CompatError
+
+        raise CompatError(f"extract.gdn_forward=fused: {why} (or set extract.gdn_forward=auto)")
+    return "transformers"
 
 
 def fla_gdn_kernels() -> GdnKernels:

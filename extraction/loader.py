@@ -77,7 +77,15 @@ def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
         working_bytes=report.working_gib * 2**30,
         max_gpu_memory_gib=report.max_gpu_memory_gib,
     )
-    use_gdn_forward(model, report.gdn_forward)
+    gpu = any(d.startswith("cuda") for d in replica_devices(device))  # (a CPU copy never runs fla's kernels)
+    fused = use_gdn_forward(model, report.gdn_forward if gpu else "transformers")
+    if gpu and report.gdn_forward == "fused" and not fused:  # a transformers whose layers are built otherwise
+        log.warning(
+            "extract.gdn_forward=fused: no Gated DeltaNet layer of %s has the projections the fused forward "
+            "reads (transformers %s); transformers' forward runs",
+            report.model_type,
+            report.transformers_version,
+        )
     return model
 
 

@@ -81,6 +81,7 @@ def provenance(cfg: RunConfig, report: ProbeReport, tokenizer_fp: str, template_
                 "numcodecs",
                 "prefect",
                 "flash-linear-attention",
+                "fla-core",
             )
         },
         # the forward of the run that creates the version, as the probe resolved run_config's 'auto' settings

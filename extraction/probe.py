@@ -18,7 +18,7 @@ import torch
 
 from dflash_pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError, ConfigError
-from dflash_pipeline.extraction.kernels import conv_kernel_choice, gdn_forward_choice
+from dflash_pipeline.extraction.kernels import conv_kernel_choice, fla_version, gdn_forward_choice
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
@@ -353,7 +353,7 @@ def probe(
         replicas=replicas,
         token_budget=budget,
         conv_kernel=conv_kernel_choice(extract.conv_kernel, hybrid, kernels["flash-linear-attention"], on_gpus),
-        gdn_forward=gdn_forward_choice(extract.gdn_forward, hybrid, kernels["flash-linear-attention"], on_gpus),
+        gdn_forward=gdn_forward_choice(extract.gdn_forward, hybrid, mc.get("model_type", "?"), fla_version(), on_gpus),
         max_gpu_memory_gib=extract.max_gpu_memory_gib,
     )
 

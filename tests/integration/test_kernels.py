@@ -23,33 +23,50 @@ from dflash_pipeline.extraction.kernels import (
 from dflash_pipeline.extraction.loader import load_target
 
 
-@pytest.mark.parametrize(("choice", "on"), [(conv_kernel_choice, "fla"), (gdn_forward_choice, "fused")])
 @pytest.mark.parametrize(
     ("setting", "hybrid", "fla", "gpu", "expected"),
     [
-        ("auto", True, True, True, "on"),
+        ("auto", True, True, True, "fla"),
         ("auto", True, True, False, "transformers"),
         ("auto", True, False, True, "transformers"),
         ("auto", False, True, True, "transformers"),
         ("transformers", True, True, True, "transformers"),
-        ("on", True, True, False, "on"),
+        ("fla", True, True, False, "fla"),
     ],
 )
-def test_the_probe_resolves_the_hybrid_kernels(choice, on, setting, hybrid, fla, gpu, expected):
-    """extract.conv_kernel ('fla') and extract.gdn_forward ('fused') resolve alike."""
-    setting, expected = (on if v == "on" else v for v in (setting, expected))
-    assert choice(setting, hybrid, fla, gpu) == expected
+def test_the_probe_resolves_the_conv_kernel(setting, hybrid, fla, gpu, expected):
+    assert conv_kernel_choice(setting, hybrid, fla, gpu) == expected
 
 
-@pytest.mark.parametrize(
-    ("choice", "field", "on"),
-    [(conv_kernel_choice, "conv_kernel", "fla"), (gdn_forward_choice, "gdn_forward", "fused")],
-)
-def test_asking_for_an_fla_kernel_without_it_names_the_package(choice, field, on):
-    with pytest.raises(
-        CompatError, match=f"extract.{field}={on} needs flash-linear-attention: pip install flash-linear-attention"
-    ):
-        choice(on, True, False, True)
+def test_asking_for_fla_without_it_names_the_package():
+    with pytest.raises(CompatError, match="pip install flash-linear-attention"):
+        conv_kernel_choice("fla", True, False, True)
+
+
+# (model type, fla version, GPU): what 'auto' makes of it, and what an explicit 'fused' that cannot run says
+GDN_CASES = [
+    (("qwen3_5_text", (0, 6), True), "fused", None),
+    (("qwen3_5_moe", (0, 5), True), "fused", None),
+    (("qwen3_next", (0, 6), True), "transformers", "not 'qwen3_next'"),
+    (("qwen3_5", None, True), "transformers", "pip install flash-linear-attention"),
+    (("qwen3_5", (0, 4), True), "transformers", "0.4 predates grouped value heads: pip install -U"),
+    (("qwen3_5", (0, 6), False), "transformers", "CUDA GPUs"),
+]
+
+
+@pytest.mark.parametrize(("case", "auto", "error"), GDN_CASES)
+def test_the_probe_resolves_the_gdn_forward(case, auto, error):
+    """'auto' takes the fused forward wherever it runs (the store's provenance records what ran); an explicit
+    'fused' that cannot run says why and how to fix it; a dense target or 'transformers' never fuses."""
+    assert gdn_forward_choice("auto", True, *case) == auto
+    assert (
+        gdn_forward_choice("transformers", True, *case) == gdn_forward_choice("fused", False, *case) == "transformers"
+    )
+    if error is None:
+        assert gdn_forward_choice("fused", True, *case) == "fused"
+    else:
+        with pytest.raises(CompatError, match=f"extract.gdn_forward=fused: .*{error}.*set extract.gdn_forward=auto"):
+            gdn_forward_choice("fused", True, *case)
 
 
 def test_the_swap_is_reversible_and_leaves_a_cpu_forward_unchanged(model_dir):
