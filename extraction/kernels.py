@@ -86,12 +86,12 @@ def use_conv_kernel(kernel: str) -> list[str]:
 #
 # transformers' forward of a Qwen3.5/3.6 Gated DeltaNet layer reaches flash-linear-attention for the chunked delta
 # rule only; around it, a [B, T, D] <-> [B, D, T] round trip for the convolution, query/key heads repeated up to the
-# value heads (older versions), and the gated RMSNorm as ~10 PyTorch kernels in float32 over every value channel. `fused` is the
-# same computation in the order transformers does it, on fla's kernels: the Triton convolution straight on the
-# projection's [B, T, D] output, the delta rule with grouped value heads (fla >= 0.5) and l2-normalised q/k in the
-# kernel, and fla's fused gated RMSNorm (one kernel). bench/RESULTS.md has its speed and its error against a
-# float32 reference per layer; tests/integration/test_kernels.py checks, on CPU with PyTorch kernels, that it
-# computes what transformers' forward does.
+# value heads (older versions), and the gated RMSNorm as ~10 PyTorch kernels in float32 over every value channel.
+# `fused` is the same computation in the order transformers does it, on fla's kernels: the Triton convolution
+# straight on the projection's [B, T, D] output, the delta rule with grouped value heads (fla >= 0.5) and
+# l2-normalised q/k in the kernel, and fla's fused gated RMSNorm (one kernel). bench/RESULTS.md has its speed and
+# its error against a float32 reference per layer; tests/integration/test_kernels.py checks, on CPU with PyTorch
+# kernels, that it computes what transformers' forward does.
 
 GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm", "out_proj")
 # Keyword arguments under which the fused forward does not apply (a cache, packed sequences): transformers' runs.
