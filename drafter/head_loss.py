@@ -10,7 +10,7 @@ the input gradient; the head is frozen, so no weight gradient), as autograd woul
 recomputation in the backward would.
 
 The result equals `-log_softmax(h W^T)[label]` (or KL(target || draft)) weighted and averaged, with its gradient:
-tests/integration/test_drafter_model.py compares it with plain autograd in float64.
+tests/unit/test_head_loss.py compares it with plain autograd in float64.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits of one chunk
 
@@ -88,15 +87,3 @@ def head_loss(
     without it, cross-entropy on the labels. `rows`: rows per chunk (default: ~512 MiB of float32 logits)."""
     wn = _wide(weights / weights.sum())
     return _HeadLoss.apply(h, weight.detach(), labels, wn, target_logits, rows or chunk_rows(weight.shape[0]))
-
-
-def reference_head_loss(h, weight, labels, weights, target_logits=None):
-    """Plain autograd (all logits at once): what head_loss must equal. For tests."""
-    logits = _wide(h.to(weight.dtype) @ weight.t())
-    logp = F.log_softmax(logits, dim=-1)
-    if target_logits is None:
-        per = -logp.gather(1, labels[:, None]).squeeze(1)
-    else:
-        tlogp = F.log_softmax(_wide(target_logits(slice(None))), dim=-1)
-        per = (tlogp.exp() * (tlogp - logp)).sum(-1)
-    return (per * weights).sum() / weights.sum(), (logits.argmax(-1) == labels).sum()
