@@ -5,11 +5,13 @@
 #   bench/device.sh STEP [STEP ...]   on the GPU host, from the repository root: installs .whl/ and this package
 #                                     into /tmp/site, then runs each STEP, results under $OUT (default bench-out/)
 #
-# STEPs: extract (8B extraction, 2M tokens, bench/extract_bench.py), hybrid (27B: the Gated DeltaNet forward
-# and compile variants of (a), the pipeline (b), a kernel profile; HYBRID_TOKENS, HYBRID_VARIANTS, GDN_FORWARD), train
-# (drafter training variants, short), train-long (12 minutes of training, detached; then `collect` in a later
-# call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU: extraction and DDP training),
-# conv (the hybrid kernels' error per layer against float32: fla's convolution, the fused GDN forward).
+# STEPs: extract (8B extraction, 2M tokens, a kernel profile of (a); bench/extract_bench.py), hybrid (27B: the
+# Gated DeltaNet forward and compile variants of (a), the pipeline (b), a kernel profile; HYBRID_TOKENS,
+# HYBRID_VARIANTS, GDN_FORWARD), train (drafter training variants, short), train-long (12 minutes of training,
+# detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU:
+# extraction and DDP training), conv (the hybrid kernels' error per layer against float32: fla's convolution, the
+# fused GDN forward), disk (write the fresh disk once before measuring the pipeline: `bash bench/device.sh disk
+# extract`).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
 set -euo pipefail
 WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
@@ -35,7 +37,7 @@ for step in "$@"; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
     extract) python3 extract_bench.py --shapes 8b --tokens 2000000 --no-save --skip-naive \
-               --writer-gib 0 --out "$OUT" 2>&1 | tee "$OUT/extract_log.txt" ;;
+               --writer-gib 0 --profile-a 2 --out "$OUT" 2>&1 | tee "$OUT/extract_log.txt" ;;
     hybrid) python3 extract_bench.py --shapes 27b --tokens-27b "${HYBRID_TOKENS:-200000}" --no-save --skip-naive \
               --writer-gib 0 --gdn-forward "${GDN_FORWARD:-auto}" --profile-a 2 --out "$OUT" \
               --a-variants "${HYBRID_VARIANTS-gdn=transformers,compile=norms;gdn=fused,compile=norms}" 2>&1 \
@@ -53,6 +55,11 @@ for step in "$@"; do
     resume) python3 gpu_resume_bench.py --out "$OUT/resume" --tokens 200000 --kill-after-shard 40 2>&1 \
               | tee "$OUT/resume_log.txt" ;;
     scaling) python3 multi_gpu_bench.py --out "$OUT" --train-steps 200 2>&1 | tee "$OUT/scaling_log.txt" ;;
+    # A fresh VM disk writes its first blocks slowly (session 7: 8-9 s of writer wait in the first 8B run, 0.35 s
+    # once ~60 GB had been written): fill most of the free disk once before measuring the pipeline, then delete.
+    disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( (free - 6) * 64 ))
+          dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
+          rm -f /tmp/disk-warm ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

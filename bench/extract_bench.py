@@ -62,6 +62,8 @@ from extract_measure import (
 from instruments import Sampler, flops, linear_flops_per_token, matmul_peak
 
 GIB = 2**30
+# (b) variant keys the bench handles itself; any other key is an extract.* setting
+BENCH_KEYS = ("threads", "switch", "codec_threads")
 
 
 # ---- driver ------------------------------------------------------------------------------------------
@@ -69,6 +71,7 @@ GIB = 2**30
 
 def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction import extract as extract_mod
     from dflash_pipeline.extraction import loader as loader_mod
     from dflash_pipeline.extraction.kernels import use_conv_kernel, use_gdn_forward
     from dflash_pipeline.extraction.loader import compile_modules, load_planned, resolve_compile
@@ -235,16 +238,16 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         loader_mod.load_planned = lambda *a_, **k_: model
     for spec in variants:
         opts = dict(kv.split("=") for kv in spec.split(","))
-        vcfg = load_config(
-            None, {**base, **{f"extract.{k}": v for k, v in opts.items() if k not in ("threads", "switch")}}
-        )
+        vcfg = load_config(None, {**base, **{f"extract.{k}": v for k, v in opts.items() if k not in BENCH_KEYS}})
         shutil.rmtree(work / "store", ignore_errors=True)
         vstore, vversion, vunits = plan_store(work / "store", report, vcfg, sample_ids, lengths, ids, dtype_name)
         vreport = dataclasses.replace(report, token_budget=int(opts.get("token_budget", report.token_budget)))
         # switch=S: the interpreter's GIL switch interval (default 5 ms) during this run: does the thread
         # launching the forward wait for the GIL behind the writer threads?
-        old_switch = sys.getswitchinterval()
+        old_switch, old_codec = sys.getswitchinterval(), extract_mod.SHARD_CODEC_THREADS
         sys.setswitchinterval(float(opts.get("switch", old_switch)))
+        # codec_threads=T: threads per store-writer process (the cores for writing split into fewer processes)
+        extract_mod.SHARD_CODEC_THREADS = int(opts.get("codec_threads", old_codec))
         try:
             vb = measure_pipeline(
                 vstore,
@@ -259,6 +262,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             )
         finally:
             sys.setswitchinterval(old_switch)
+            extract_mod.SHARD_CODEC_THREADS = old_codec
         vb["variant"] = spec
         if args.read_tokens:
             vb["read"] = measure_read(vstore, vversion, args.read_tokens)
@@ -294,7 +298,11 @@ def main():
     p.add_argument("--naive-tokens", type=int, default=60_000, help="tokens for (c) (a third for 27b)")
     p.add_argument("--writer-gib", type=float, default=2.5, help="raw GiB per writer-only configuration; 0 skips")
     p.add_argument("--writer-configs", default="zstd:1,zstd:2,zstd:4,zstd:8,lz4:4,none:4")
-    p.add_argument("--b-variants", default="", help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4'")
+    p.add_argument(
+        "--b-variants",
+        default="",
+        help="';'-separated extra (b) runs, e.g. 'threads=1;compression=lz4;codec_threads=2'",
+    )
     p.add_argument("--variant-shapes", default="8b,tiny-dense")
     p.add_argument(
         "--a-compile",

@@ -78,6 +78,13 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+# Threads per store-writer process, compressing the chunks of one shard at once: the cores for writing
+# (default_store_writers) then go to fewer processes, and each shard is written sooner (the worker's end
+# waits for its last shards). 1 until measured as a gain: in session 7 two and four threads cut that wait
+# from 0.8 s to 0.5 and 0.4 s, but those runs were slowed by a fresh disk (bench/RESULTS.md, session 7).
+SHARD_CODEC_THREADS = 1
+
+
 def uses_writer_processes(store_writers: str, device: str) -> bool:
     return store_writers == "processes" or (store_writers == "auto" and device.startswith("cuda"))
 
@@ -328,8 +335,10 @@ def _extract(
     if uses_writer_processes(cfg.store_writers, device):
         n = writers or default_store_writers(device, processes=True)
         shared = stack.enter_context(closing(SharedBuffers(_pin_host if gpus else None)))
-        if _room_for_shared_buffers(shared, cfg, n):
-            procs = stack.enter_context(closing(ShardProcesses(n)))  # they start while the model loads
+        threads = min(SHARD_CODEC_THREADS, n)
+        if _room_for_shared_buffers(shared, cfg, n // threads):
+            # they start while the model loads
+            procs = stack.enter_context(closing(ShardProcesses(n // threads, threads)))
         else:
             shared = None
     writers = len(procs) if procs else writers or default_store_writers(device, processes=False)

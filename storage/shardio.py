@@ -31,6 +31,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +42,30 @@ from dflash_pipeline.errors import StoreError
 _EMPTY = np.uint64(2**64 - 1)  # the sharding index's marker for a chunk not stored
 
 
-def encode_shard(rows: np.ndarray, shard_rows: int, chunk_rows: int, blosc) -> list:
+def encode_shard(rows: np.ndarray, shard_rows: int, chunk_rows: int, blosc, pool: Executor | None = None) -> list:
     """The bytes of one shard in the layout of zarr's sharding codec (storage/writer.py's _ShardFile):
     chunks of `chunk_rows` rows, each compressed by `blosc` (a numcodecs.Blosc, or None) and followed by its
-    CRC32C, then the chunk index and its CRC32C. The last chunk of a short shard is padded with zeros."""
+    CRC32C, then the chunk index and its CRC32C. The last chunk of a short shard is padded with zeros.
+    With `pool`, chunks are compressed on its threads (Blosc releases the GIL); the bytes are the same."""
     import google_crc32c
 
-    index = np.full((shard_rows // chunk_rows, 2), _EMPTY, dtype="<u8")
-    pieces: list = []
-    offset = 0
-    for i in range(-(-len(rows) // chunk_rows)):
+    def encode(i: int):
         chunk = np.ascontiguousarray(rows[i * chunk_rows : (i + 1) * chunk_rows])
         if len(chunk) < chunk_rows:  # the array's last chunk is stored whole, padded with the fill value
             padded = np.zeros((chunk_rows, *rows.shape[1:]), dtype=rows.dtype)
             padded[: len(chunk)] = chunk
             chunk = padded
-        data = blosc.encode(chunk) if blosc is not None else chunk  # Blosc releases the GIL
+        data = blosc.encode(chunk) if blosc is not None else chunk
+        return data, struct.pack("<I", google_crc32c.value(data))
+
+    n_chunks = -(-len(rows) // chunk_rows)
+    encoded = pool.map(encode, range(n_chunks)) if pool is not None else map(encode, range(n_chunks))
+    index = np.full((shard_rows // chunk_rows, 2), _EMPTY, dtype="<u8")
+    pieces: list = []
+    offset = 0
+    for i, (data, crc) in enumerate(encoded):
         n = memoryview(data).nbytes
-        pieces += [data, struct.pack("<I", google_crc32c.value(data))]
+        pieces += [data, crc]
         index[i] = (offset, n + 4)
         offset += n + 4
     index_bytes = index.tobytes()
@@ -168,14 +175,15 @@ def _recv(f) -> Any:
 
 
 class ShardProcesses:
-    """`n` writer processes. `write_shard` blocks its calling thread (a storage.writer thread, which waits
-    without the GIL) until a process has written the shard; up to `n` calls run at once."""
+    """`n` writer processes, each compressing a shard's chunks on `threads` threads. `write_shard` blocks its
+    calling thread (a storage.writer thread, which waits without the GIL) until a process has written the
+    shard; up to `n` calls run at once."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, threads: int = 1):
         env = dict(os.environ)
         self._procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "dflash_pipeline.storage.shardio"],
+                [sys.executable, "-m", "dflash_pipeline.storage.shardio", str(max(1, threads))],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
@@ -229,12 +237,17 @@ class ShardProcesses:
                 p.wait()
 
 
-def _serve() -> None:
-    """A writer process's loop: one request at a time until stdin closes."""
+def _serve(threads: int) -> None:
+    """A writer process's loop: one request at a time until stdin closes; a shard's chunks are compressed on
+    `threads` threads."""
     import numcodecs
     from numcodecs import blosc
 
-    blosc.use_threads = False  # one core per process; the parallelism is the number of processes
+    # Not Blosc's own threads: they write a chunk's blocks in the order they finish (the same data, other
+    # bytes on each run); chunks compressed on our threads are placed in order, so a shard's bytes are
+    # reproducible.
+    blosc.use_threads = False
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="chunk") if threads > 1 else None
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print must not corrupt the replies
     inp = sys.stdin.buffer
@@ -253,7 +266,7 @@ def _serve() -> None:
             ck = repr(sorted(blosc_config.items())) if blosc_config else ""
             if blosc_config and ck not in codecs:
                 codecs[ck] = numcodecs.get_codec(dict(blosc_config))
-            loc.write_object(key, encode_shard(maps[path][:n_rows], shard_rows, chunk_rows, codecs.get(ck)))
+            loc.write_object(key, encode_shard(maps[path][:n_rows], shard_rows, chunk_rows, codecs.get(ck), pool))
             reply: tuple = (True, None)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller
             e.add_note(f"in store-writer process {os.getpid()}:\n{traceback.format_exc()}")
@@ -266,4 +279,4 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else 1)

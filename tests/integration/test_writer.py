@@ -98,8 +98,10 @@ def test_io_errors_are_retried(small_store, tmp_path, monkeypatch):
     assert np.array_equal(zarr.open_group(str(d), mode="r")["hidden"][:], h)
 
 
-def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path):
-    """A GPU worker's path: shard buffers in shared memory, shards encoded and written by writer processes."""
+@pytest.mark.parametrize(("n_procs", "codec_threads"), [(2, 1), (1, 3)])
+def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path, n_procs, codec_threads):
+    """A GPU worker's path: shard buffers in shared memory, shards encoded and written by writer processes,
+    a shard's chunks compressed on one thread or several (the bytes must not depend on it)."""
     src = zarr.open_group(str(_unit_copy(small_store, tmp_path, "src")), mode="r")
     h, last = src["hidden"][:], src["last_hidden"][:]
     by_threads, by_procs = (_empty_unit(small_store, tmp_path, n, "zstd") for n in ("threads", "procs"))
@@ -107,7 +109,7 @@ def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path)
     w.add(0, h, last)
     w.finish()
     shared = SharedBuffers(directory=tmp_path)
-    procs = ShardProcesses(2)
+    procs = ShardProcesses(n_procs, codec_threads)
     try:
         w = UnitWriter(by_procs, threads=2, buffers=BufferPool(shared), procs=procs)
         w.add(0, h, last)
@@ -121,6 +123,8 @@ def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path)
     for name in ("hidden", "last_hidden"):
         files = sorted(p.relative_to(by_threads) for p in (by_threads / name / "c").rglob("*") if p.is_file())
         assert len(files) >= 3
+        arr = zarr.open_group(str(by_procs), mode="r")[name]
+        assert arr.shards[0] >= 3 * arr.chunks[0]  # several chunks per shard: compressed at once with threads
         for rel in files:
             assert (by_procs / rel).read_bytes() == (by_threads / rel).read_bytes(), rel
     assert (by_procs / "commit.json").read_bytes() == (by_threads / "commit.json").read_bytes()
