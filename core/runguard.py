@@ -3,6 +3,10 @@
 - SIGTERM (and SIGHUP) are turned into KeyboardInterrupt, so they take the same path as Ctrl-C: the flow stops
   its extraction workers (extraction/procs.py: SIGTERM, SIGKILL of their process groups after STOP_GRACE_S)
   and Prefect's temporary server (a uvicorn child) is stopped by its exit handler.
+- A stop is also remembered: the KeyboardInterrupt is raised wherever the main thread happens to be when the
+  signal arrives, and a library can drop it there (an exception raised inside a finalizer is only printed; a
+  Ctrl-C was once lost so and the run went on to the end). The flow calls `raise_if_stopped` while it waits for
+  its extraction workers and before each stage, so a stop asked for is acted on within a fraction of a second.
 - SIGKILL runs no handler at all. Extraction workers notice their parent's death on their own
   (extraction/worker_main.py); for everything else the run started (Prefect's temporary server above all) a
   small guard process watches this one: it remembers this process's descendants and, when this process is
@@ -32,9 +36,26 @@ GUARD_POLL_S = 0.5
 _guard: subprocess.Popen | None = None
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_stop: str | None = None  # the signal that asked this run to stop, once one has (guarded_run resets it)
+
+
 def _raise_interrupt(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    global _stop
+    _stop = signal.Signals(signum).name
+    if signum != signal.SIGINT:
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM or SIGHUP ends the process at once
+    raise _interrupt()
+
+
+def _interrupt() -> KeyboardInterrupt:
+    return KeyboardInterrupt("" if _stop == "SIGINT" else _stop)  # the CLI says "stopped (Ctrl-C)" for ""
+
+
+def raise_if_stopped() -> None:
+    """Raise the KeyboardInterrupt of a stop signal again, in case the one its handler raised was dropped."""
+    if _stop is not None:
+        raise _interrupt()
 
 
 class _NoUserErrorTraceback(logging.Filter):
@@ -80,8 +101,11 @@ def isolate_ephemeral_server() -> None:
 
 @contextmanager
 def guarded_run(debug: bool = False):
-    """The CLI's run: signals as Ctrl-C, a guard process for SIGKILL, no traceback for user errors."""
-    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    """The CLI's run: signals as Ctrl-C (and remembered), a guard process for SIGKILL, no traceback for user
+    errors."""
+    global _stop
+    _stop = None
+    previous = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
     ensure_guard()
     if not os.environ.get("PREFECT_API_URL"):
         isolate_ephemeral_server()
@@ -97,6 +121,7 @@ def guarded_run(debug: bool = False):
             lg.removeFilter(flt)
         for s, h in previous.items():
             signal.signal(s, h)
+        _stop = None
 
 
 def ensure_guard() -> None:

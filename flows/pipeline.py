@@ -15,9 +15,12 @@ deployment does.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.runguard import raise_if_stopped
 from dflash_pipeline.stages import RunSummary
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.tasks.common import artifact_key, run_logger
@@ -43,6 +47,8 @@ from dflash_pipeline.tasks.prepare import prepare_task
 from dflash_pipeline.tasks.probe import probe_task
 from dflash_pipeline.tasks.retention import retain_task
 from dflash_pipeline.tasks.validate import validate_task
+
+STOP_POLL_S = 0.5  # while extraction workers run: how often a remembered stop signal is checked
 
 
 def compose_overrides(
@@ -129,23 +135,35 @@ def dflash_pipeline(
     return summary
 
 
+def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
+    """`task`, run only if no stop signal came before it (runguard.raise_if_stopped)."""
+
+    @functools.wraps(task)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        raise_if_stopped()
+        return task(*args, **kwargs)
+
+    return staticmethod(run)
+
+
 class PrefectRunner:
     """Each stage as its Prefect task (artifacts, retries); extraction one task per device."""
 
-    probe = staticmethod(probe_task)
-    prepare = staticmethod(prepare_task)
-    plan = staticmethod(plan_task)
-    validate = staticmethod(validate_task)
-    train = staticmethod(train_task)
-    retain = staticmethod(retain_task)
-    evaluate = staticmethod(evaluate_task)
-    regenerate = staticmethod(regenerate_task)
-    estimate = staticmethod(estimate_task)
+    probe = _stage(probe_task)
+    prepare = _stage(prepare_task)
+    plan = _stage(plan_task)
+    validate = _stage(validate_task)
+    train = _stage(train_task)
+    retain = _stage(retain_task)
+    evaluate = _stage(evaluate_task)
+    regenerate = _stage(regenerate_task)
+    estimate = _stage(estimate_task)
 
     @staticmethod
     def extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
         """Fan out: one worker task per device, units balanced by tokens; a crashed worker is retried and
         resumes from its units' commit records."""
+        raise_if_stopped()
         if cfg.extract.engine == "ray":
             from dflash_pipeline.flows.ray_extract import run_on_ray
 
@@ -153,6 +171,10 @@ class PrefectRunner:
         else:
             worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
             futures = [worker.submit(spec) for spec in stages.worker_specs(cfg, report, plan)]
+            pending = {f.wrapped_future for f in futures}
+            while pending:  # a stop signal is acted on here even if its KeyboardInterrupt was dropped
+                raise_if_stopped()
+                _, pending = concurrent.futures.wait(pending, timeout=STOP_POLL_S)
             results = [f.result() for f in futures]
         publish_throughput(results, plan.version_path)
         link = plan.version_path if "://" in plan.version_path else Path(plan.version_path).absolute().as_uri()
