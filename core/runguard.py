@@ -5,7 +5,7 @@
   and Prefect's temporary server (a uvicorn child) is stopped by its exit handler.
 - A stop is also remembered: the KeyboardInterrupt is raised wherever the main thread happens to be when the
   signal arrives, and a library can drop it there (an exception raised inside a finalizer is only printed; a
-  Ctrl-C was once lost so and the run went on to the end). The flow calls `raise_if_stopped` while it waits for
+  Ctrl-C was lost that way once, and the run went on to the end). The flow calls `raise_if_stopped` while it waits for
   its extraction workers and before each stage, so a stop asked for is acted on within a fraction of a second.
 - SIGKILL runs no handler at all. Extraction workers notice their parent's death on their own
   (extraction/worker_main.py); for everything else the run started (Prefect's temporary server above all) a
