@@ -143,8 +143,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         store = Store(args.store, json.loads(args.store_options) if args.store_options else None)
         store.check_readable()
         version = args.version or store.current() or (store.versions() or [None])[-1]
-        if version is None or version not in store.versions():
-            raise PipelineError(f"no store version {version or ''} under {store.url} (versions: {store.versions()})")
+        if version is None:
+            raise PipelineError(
+                f"no store at {store.url}: no version in it (give the store's path, <output_dir>/store)"
+            )
+        if version not in store.versions():
+            raise PipelineError(f"no store version {version} under {store.url} (versions: {store.versions()})")
         lease = ReaderLease(store, version)  # retention and pruning leave the version alone while it is checked
         try:
             report = verify_version(store, version, digests=not args.sizes_only, threads=args.threads)

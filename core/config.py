@@ -381,6 +381,11 @@ class RunConfig(Section):
         return self
 
     @property
+    def regenerated_path(self) -> Path:
+        """Where the regenerate stage writes the target's own replies (the run then prepares those)."""
+        return Path(self.output_dir) / "regenerated" / "conversations.jsonl"
+
+    @property
     def drafter_dir(self) -> Path:
         return Path(self.train.output_dir) if self.train.output_dir else Path(self.output_dir) / "drafter"
 

@@ -10,7 +10,7 @@ the CPU) when the target's weights are small (plan.calibration=auto: under CALIB
 synthetic ones: Gaussian values with log-normal per-channel scales (sigma 0.5) in the store dtype, the
 statistics of hidden states that decide how well they compress (bf16: exponent byte compressible, mantissa not).
 
-GPU-hours come from throughputs recorded in bench/RESULTS.md and ../shared/DESIGN.md on one H200 (RECORDED),
+GPU-hours come from throughputs recorded in bench/RESULTS.md on one H200 (RECORDED),
 scaled by the parameters a token passes through and by the GPU's dense bf16 peak (GPU_PEAK_TFLOPS).
 """
 
@@ -63,24 +63,24 @@ _P27B = 47 * _GDN27 + 15 * _FULL27
 RECORDED = {
     "dense": Recorded(
         "Qwen3-8B shape (dense, 5 layers captured), pipeline defaults",
-        40887,
+        42724,
         "H200",
         _P8B,
-        "bench/RESULTS.md, session 3, run 13 (b)",
+        "bench/RESULTS.md, session 7, call 3 (b)",
     ),
     "hybrid": Recorded(
         "Qwen3.6-27B shape (Gated DeltaNet hybrid), pipeline defaults",
-        8758,
+        11637,
         "H200",
         _P27B,
-        "bench/RESULTS.md, session 3, run 13 (b)",
+        "bench/RESULTS.md, session 6, call 4 (b)",
     ),
     "train": Recorded(
         "DFlash drafter of the 8B shape (5 draft layers, hidden 4096, block 16, 512 anchors, batch 1)",
-        5000,
+        6051,
         "H200",
         5 * 4096**2,
-        "../shared/DESIGN.md section 9 (bench/multi_gpu_bench.py, step 420)",
+        "bench/RESULTS.md, session 7, 10.6 minutes of bench/train_bench.py",
     ),
 }
 
@@ -135,7 +135,7 @@ class StoreEstimate:
             f"extraction {self.extract_gpu_hours:.3g} GPU-hours ({self.extract_tokens_per_s:,.0f} tokens/s per "
             f"{self.gpu}), training {self.train_gpu_hours:.3g} GPU-hours ({self.train_tokens_per_s:,.0f} tokens/s)"
             if self.extract_gpu_hours is not None
-            else f"not estimated ({self.gpu_source})"
+            else "not estimated"
         )
         free = f"{self.free_bytes / gib:,.2f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
         room = (
@@ -327,7 +327,7 @@ def _gpu_name(cfg: RunConfig, report: ProbeReport) -> tuple[str | None, str]:
         return name, "named by plan.gpu"
     gpus = [d.kind for d in report.devices if d.name.startswith("cuda")]
     if not gpus:
-        return None, "no GPU visible here; name the GPU the run will use with plan.gpu (e.g. H100)"
+        return None, "no GPU visible here: name the GPU the run will use with plan.gpu (e.g. H100)"
     return gpus[0], f"detected: {len(gpus)} x {gpus[0]}"
 
 
@@ -347,8 +347,9 @@ def _free_bytes(cfg: RunConfig) -> tuple[int | None, str]:
     return shutil.disk_usage(existing).free, f"free space of the filesystem of {existing}"
 
 
-def _committed_tokens(cfg: RunConfig) -> int:
-    """Tokens the store's newest version already committed (a resumed run writes only the rest)."""
+def _committed_tokens(cfg: RunConfig, prepared: PrepareResult) -> int:
+    """Tokens of this dataset's samples that the store's newest version already committed (a resumed run
+    writes only the rest; what the store holds of other samples does not count)."""
     if "://" not in cfg.store and not Path(cfg.store).exists():
         return 0
     try:
@@ -356,7 +357,16 @@ def _committed_tokens(cfg: RunConfig) -> int:
         versions = store.versions()
         if not versions:
             return 0
-        return sum(store.commit_record(versions[-1], u).get("committed_tokens", 0) for u in store.units(versions[-1]))
+        v, ours, total = versions[-1], None, 0
+        for u in store.units(v):
+            committed = store.commit_record(v, u).get("committed_tokens", 0)
+            if not committed:
+                continue
+            ours = ours if ours is not None else set(load_prepared(prepared.path)["sample_id"])
+            total += sum(
+                n for sid, start, n in store.unit_attrs(v, u)["samples"] if start + n <= committed and sid in ours
+            )
+        return total
     except (OSError, ValueError):
         return 0
 
@@ -367,15 +377,16 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
     tokens, k, h = prepared.n_tokens, len(report.layer_ids), report.hidden_size
     units = max(1, math.ceil(tokens / cfg.extract.unit_tokens))
     store_bytes = int(per_token * tokens + sample_meta * prepared.n_samples)
-    committed = min(_committed_tokens(cfg), tokens)
+    committed = min(_committed_tokens(cfg, prepared), tokens)
     needed = int(store_bytes * (tokens - committed) / max(tokens, 1))
     free, free_source = _free_bytes(cfg)
     gpu, gpu_source = _gpu_name(cfg, report)
     notes = []
-    if cfg.regenerate.enabled:
-        notes.append(
+    if cfg.regenerate.enabled and str(cfg.data.source) != str(cfg.regenerated_path):
+        notes.append(  # `plan` (a run prepares and measures the regenerated replies, once they exist)
             "regenerate is on: the figures count the replies of data.source; the regenerated replies "
-            f"(at most regenerate.max_new_tokens={cfg.regenerate.max_new_tokens} tokens each) replace them"
+            f"(at most regenerate.max_new_tokens={cfg.regenerate.max_new_tokens} tokens each) replace them, so "
+            "the run prepares that set anew"
         )
     if committed:
         notes.append(f"{committed:,} tokens are already committed in the store: only the rest is written")

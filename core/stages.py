@@ -88,10 +88,9 @@ def probe(cfg: RunConfig) -> ProbeReport:
 def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenProgress], None] | None = None):
     """The dataset's assistant turns rewritten by the target, in this process or by an OpenAI-compatible server
     (regenerate.backend); resumable. Returns RegenerateResult."""
-    out = Path(cfg.output_dir) / "regenerated" / "conversations.jsonl"
     return regenerate_responses(
         resolve_source(cfg.data.source),
-        out,
+        cfg.regenerated_path,
         report,
         cfg.regenerate,
         fmt=cfg.data.format,
@@ -456,5 +455,5 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
     if "evaluate" in stages:
         acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
         summary.acceptance_length = round(acceptance.acceptance_length, 3)
-        summary.untrained_acceptance_length = acceptance.untrained_acceptance_length
+        summary.untrained_acceptance_length = round(acceptance.untrained_acceptance_length, 3)
     return summary

@@ -83,3 +83,29 @@ def test_a_failing_calibration_forward_falls_back_to_synthetic_rows(model_dir, t
     est = planner.estimate(cfg, broken, runner.results["prepare"], "float32")
     assert est.calibration.startswith("synthetic rows") and "the CPU forward failed: TypeError" in est.calibration
     assert est.store_bytes > 0
+
+
+def test_already_committed_counts_only_this_datasets_samples(model_dir, tmp_path):
+    """The plan's "already committed" figure is what a rerun skips: tokens of this dataset's samples that the store
+    committed, not whatever else the store holds (e.g. the samples of the dataset before regeneration)."""
+    import json
+
+    def run(overrides: dict) -> LocalRunner:
+        runner = LocalRunner()
+        run_pipeline(
+            config(tmp_path, {"stages": ["prepare", "extract"], "extract.incremental": True, **overrides}), runner
+        )
+        return runner
+
+    first = run({"data.max_samples": 30}).results["prepare"]
+    more = run({"data.max_samples": 40}).results
+    assert more["estimate"].already_committed_tokens == first.n_tokens < more["prepare"].n_tokens
+
+    other = tmp_path / "other.jsonl"  # conversations the store holds none of
+    rows = [
+        {"messages": [{"role": "user", "content": f"count to {i}"}, {"role": "assistant", "content": "1 2 3 " * i}]}
+        for i in range(1, 6)
+    ]
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    est = run({"data.source": str(other), "data.format": "messages"}).results["estimate"]
+    assert est.already_committed_tokens == 0 and not any("already committed" in n for n in est.notes)

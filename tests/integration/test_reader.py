@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +80,36 @@ def test_store_reads_with_plain_zarr_as_documented(small_store):
             assert np.array_equal(h, ds[ds.index_of(sid)]["hidden"].numpy())
             n += 1
     assert n == len(ds) == 60
+
+
+def test_store_recipes_in_the_docs_recompute(small_store, model_dir):
+    """What docs/STORE.md says a reader can recompute: sample ids from the stored ids and mask, the model config
+    hash from config.json, the chunking and Blosc settings from the plan record (zarr's own metadata agrees)."""
+    import hashlib
+    import json as _json
+
+    import zarr
+
+    root, version = small_store.store, small_store.plan.version
+    g = zarr.open_group(f"{root}/{version}", mode="r")
+    config = _json.loads((Path(model_dir) / "config.json").read_text())
+    config.pop("transformers_version", None)
+    assert g.attrs["model_config_hash"] == hashlib.sha256(_json.dumps(config, sort_keys=True).encode()).hexdigest()
+    for name, unit in g["units"].groups():
+        plan = _json.load(open(f"{root}/{version}/plans/{name}.json"))
+        assert plan["compression"] == "zstd" and unit.attrs["shard_tokens"] == plan["shard_tokens"]
+        ids, mask = unit["input_ids"][:], unit["loss_mask"][:]
+        for sid, start, length in unit.attrs["samples"]:
+            span = slice(start, start + length)
+            recomputed = hashlib.sha256(_json.dumps([ids[span].tolist(), mask[span].tolist()]).encode()).hexdigest()
+            assert sid == recomputed[:20]
+        for arr in ("hidden", "last_hidden"):
+            a = unit[arr]
+            assert (a.shards[0], a.chunks[0]) == (unit.attrs["shard_tokens"], unit.attrs["chunk_tokens"])
+            inner = a.metadata.codecs[0].codecs  # the sharding codec's chain: bytes, blosc, crc32c
+            blosc = next(c for c in inner if type(c).__name__ == "BloscCodec")
+            assert (blosc.cname.value, blosc.clevel, blosc.typesize) == ("zstd", 1, a.dtype.itemsize)
+            assert blosc.blocksize == 1 << 20
 
 
 def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_path):
