@@ -30,11 +30,12 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import read_model_config
+from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.storage import quant
+from dflash_pipeline.storage import quant, retention
 from dflash_pipeline.storage.commit import crash_points_off
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
-from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.store import Store, same_identity
 
 CALIBRATE_FORWARD_MAX_GIB = 2.0  # plan.calibration=auto runs the real target on the CPU up to this size
 
@@ -347,20 +348,24 @@ def _free_bytes(cfg: RunConfig) -> tuple[int | None, str]:
     return shutil.disk_usage(existing).free, f"free space of the filesystem of {existing}"
 
 
-def _committed_tokens(cfg: RunConfig, prepared: PrepareResult) -> int:
-    """Tokens of this dataset's samples that the store's newest version already committed (a resumed run
-    writes only the rest; what the store holds of other samples does not count)."""
-    if "://" not in cfg.store and not Path(cfg.store).exists():
+def _committed_tokens(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> int:
+    """Tokens of this dataset's samples that the version this run continues (the newest with its identity; none
+    with extract.new_version) already committed: a resumed run writes only the rest. Samples of other datasets,
+    and units whose data retention deleted (a rerun writes them again), do not count."""
+    if cfg.extract.new_version or ("://" not in cfg.store and not Path(cfg.store).exists()):
         return 0
     try:
         store = Store(cfg.store, cfg.store_options)
-        versions = store.versions()
-        if not versions:
+        identity = {**target_identity(cfg, report, logical), "format_version": FORMAT_VERSION}
+        v = next((v for v in reversed(store.versions()) if same_identity(store.attrs(v), identity)), None)
+        if v is None:
             return 0
-        v, ours, total = versions[-1], None, 0
-        for u in store.units(v):
+        units = store.units(v)
+        gone = retention.retired(retention.read_record(store, v), units)
+        ours, total = None, 0
+        for u in units:
             committed = store.commit_record(v, u).get("committed_tokens", 0)
-            if not committed:
+            if not committed or u in gone:
                 continue
             ours = ours if ours is not None else set(load_prepared(prepared.path)["sample_id"])
             total += sum(
@@ -377,7 +382,7 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
     tokens, k, h = prepared.n_tokens, len(report.layer_ids), report.hidden_size
     units = max(1, math.ceil(tokens / cfg.extract.unit_tokens))
     store_bytes = int(per_token * tokens + sample_meta * prepared.n_samples)
-    committed = min(_committed_tokens(cfg, prepared), tokens)
+    committed = min(_committed_tokens(cfg, report, prepared, logical), tokens)
     needed = int(store_bytes * (tokens - committed) / max(tokens, 1))
     free, free_source = _free_bytes(cfg)
     gpu, gpu_source = _gpu_name(cfg, report)

@@ -5,8 +5,12 @@
   and Prefect's temporary server (a uvicorn child) is stopped by its exit handler.
 - A stop is also remembered: the KeyboardInterrupt is raised wherever the main thread happens to be when the
   signal arrives, and a library can drop it there (an exception raised inside a finalizer is only printed; a
-  Ctrl-C was lost that way once, and the run went on to the end). The flow calls `raise_if_stopped` while it waits for
-  its extraction workers and before each stage, so a stop asked for is acted on within a fraction of a second.
+  Ctrl-C was lost that way once, and the run went on to the end). The flow calls `raise_if_stopped` while it waits
+  for its extraction workers (every STOP_POLL_S), before each stage and after the last; a stage that runs in this
+  process (prepare, validate, training) is interrupted by the KeyboardInterrupt itself, and a dropped one is seen
+  when that stage ends. Inside a flow run Prefect puts its own SIGTERM handler in place (it raises
+  TerminationSignal); `stops_remembered` records a SIGTERM before that handler acts. Only the CLI's run is
+  guarded: a flow run started by a Prefect worker stops the way Prefect stops it.
 - SIGKILL runs no handler at all. Extraction workers notice their parent's death on their own
   (extraction/worker_main.py); for everything else the run started (Prefect's temporary server above all) a
   small guard process watches this one: it remembers this process's descendants and, when this process is
@@ -27,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +42,7 @@ _guard: subprocess.Popen | None = None
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_guarding = False  # inside guarded_run
 _stop: str | None = None  # the signal that asked this run to stop, once one has (guarded_run resets it)
 
 
@@ -56,6 +62,32 @@ def raise_if_stopped() -> None:
     """Raise the KeyboardInterrupt of a stop signal again, in case the one its handler raised was dropped."""
     if _stop is not None:
         raise _interrupt()
+
+
+@contextmanager
+def stops_remembered():
+    """In a guarded run's main thread: a SIGTERM is recorded, then handed to the handler in place (inside a flow run,
+    Prefect's). Anywhere else nothing changes."""
+    if not _guarding or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    inner = signal.getsignal(signal.SIGTERM)
+
+    def record(signum, frame) -> None:
+        global _stop
+        _stop = _stop or signal.Signals(signum).name
+        if callable(inner):
+            inner(signum, frame)
+        else:  # SIG_DFL or SIG_IGN: what it does, done by the kernel
+            signal.signal(signum, inner)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, record)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is record:
+            signal.signal(signal.SIGTERM, inner)
 
 
 class _NoUserErrorTraceback(logging.Filter):
@@ -103,8 +135,8 @@ def isolate_ephemeral_server() -> None:
 def guarded_run(debug: bool = False):
     """The CLI's run: signals as Ctrl-C (and remembered), a guard process for SIGKILL, no traceback for user
     errors."""
-    global _stop
-    _stop = None
+    global _stop, _guarding
+    _stop, _guarding = None, True
     previous = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
     ensure_guard()
     if not os.environ.get("PREFECT_API_URL"):
@@ -121,7 +153,7 @@ def guarded_run(debug: bool = False):
             lg.removeFilter(flt)
         for s, h in previous.items():
             signal.signal(s, h)
-        _stop = None
+        _stop, _guarding = None, False
 
 
 def ensure_guard() -> None:

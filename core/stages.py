@@ -455,5 +455,6 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
     if "evaluate" in stages:
         acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
         summary.acceptance_length = round(acceptance.acceptance_length, 3)
-        summary.untrained_acceptance_length = round(acceptance.untrained_acceptance_length, 3)
+        untrained = acceptance.untrained_acceptance_length
+        summary.untrained_acceptance_length = round(untrained, 3) if untrained is not None else None
     return summary

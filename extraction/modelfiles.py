@@ -79,9 +79,9 @@ def weights_bytes(model_path: str, bytes_per_param: int) -> int:
 
 
 def weights_fingerprint(model_path: str, sample_blocks: int = 32, block: int = 1 << 16) -> str:
-    """Fingerprint of the weight files: headers (names, shapes, dtypes) plus file sizes plus either the
-    whole file (< 64 MiB) or `sample_blocks` evenly spaced 64 KiB blocks. Cheap on a 54 GB checkpoint and
-    changes when fine-tuned weights change."""
+    """Fingerprint of the weight files: for each, its name and size, then either the whole file (64 MiB or less)
+    or `sample_blocks` evenly spaced 64 KiB blocks (the first holds the safetensors header: names, shapes,
+    dtypes). Cheap on a 54 GB checkpoint and changes when fine-tuned weights change (docs/STORE.md)."""
     h = hashlib.sha256()
     for f in weight_files(model_path):
         size = f.stat().st_size

@@ -15,10 +15,10 @@ deployment does.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import json
+import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +36,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.runguard import raise_if_stopped
+from dflash_pipeline.runguard import raise_if_stopped, stops_remembered
 from dflash_pipeline.stages import RunSummary
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.tasks.common import artifact_key, run_logger
@@ -121,7 +121,9 @@ def dflash_pipeline(
     cfg = load_config(config_path, compose_overrides(preset, overrides, who))
     procs.allow_workers()
     try:
-        summary = stages.run_pipeline(cfg, PrefectRunner())
+        with stops_remembered():
+            summary = stages.run_pipeline(cfg, PrefectRunner())
+            raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
         stopped = procs.stop_workers()
         if stopped:
@@ -138,12 +140,29 @@ def dflash_pipeline(
 def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
     """`task`, run only if no stop signal came before it (runguard.raise_if_stopped)."""
 
-    @functools.wraps(task)
     def run(*args: Any, **kwargs: Any) -> Any:
         raise_if_stopped()
         return task(*args, **kwargs)
 
-    return staticmethod(run)
+    return staticmethod(functools.update_wrapper(run, task, updated=()))
+
+
+def gather(futures: list, poll_s: float = STOP_POLL_S) -> list:
+    """The results of task futures, in order. The first to fail raises as soon as it is done (the flow's clean-up
+    then stops the other workers), and a stop signal whose KeyboardInterrupt was dropped is acted on within
+    `poll_s` (runguard.raise_if_stopped)."""
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    for f in futures:
+        f.add_done_callback(finished.put)
+    for _ in futures:
+        while True:
+            raise_if_stopped()
+            try:
+                finished.get(timeout=poll_s).result()  # raises the failed task's error
+                break
+            except queue.Empty:
+                continue
+    return [f.result() for f in futures]
 
 
 class PrefectRunner:
@@ -170,12 +189,7 @@ class PrefectRunner:
             results = run_on_ray(cfg, report, plan)
         else:
             worker = extract_worker_task.with_options(retries=cfg.extract.task_retries)
-            futures = [worker.submit(spec) for spec in stages.worker_specs(cfg, report, plan)]
-            pending = {f.wrapped_future for f in futures}
-            while pending:  # a stop signal is acted on here even if its KeyboardInterrupt was dropped
-                raise_if_stopped()
-                _, pending = concurrent.futures.wait(pending, timeout=STOP_POLL_S)
-            results = [f.result() for f in futures]
+            results = gather([worker.submit(spec) for spec in stages.worker_specs(cfg, report, plan)])
         publish_throughput(results, plan.version_path)
         link = plan.version_path if "://" in plan.version_path else Path(plan.version_path).absolute().as_uri()
         create_link_artifact(

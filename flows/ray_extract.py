@@ -19,6 +19,7 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.placement import replica_devices
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.flows.pipeline import gather
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.tasks.extract import extract_worker_task
 
@@ -40,7 +41,7 @@ def ray_extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[W
     specs = stages.worker_specs(cfg, report, plan, [f"ray:{i}" for i in range(n)])
     with remote_options(**resources):
         futures = [worker.submit(spec) for spec in specs]
-    return [f.result() for f in futures]
+    return gather(futures)
 
 
 def run_on_ray(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:

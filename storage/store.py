@@ -55,6 +55,11 @@ def _identity(attrs: dict[str, Any], key: str) -> Any:
     return attrs.get(key, IDENTITY_DEFAULTS.get(key))
 
 
+def same_identity(attrs: dict[str, Any], provenance: dict[str, Any]) -> bool:
+    """Whether a version with root attributes `attrs` holds states of the run with this `provenance`."""
+    return all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS)
+
+
 @dataclass(frozen=True)
 class UnitInfo:
     name: str
@@ -128,7 +133,7 @@ class Store:
         versions = [v for v in self.versions() if not retention.read_record(self, v).get("prune")]  # not half-pruned
         for v in reversed(versions):
             attrs = self._repair_attrs(v, provenance)
-            if not all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS):
+            if not same_identity(attrs, provenance):
                 continue
             if dataset_fp in attrs.get("dataset_fingerprints", []):
                 return v

@@ -109,3 +109,10 @@ def test_already_committed_counts_only_this_datasets_samples(model_dir, tmp_path
     other.write_text("".join(json.dumps(r) + "\n" for r in rows))
     est = run({"data.source": str(other), "data.format": "messages"}).results["estimate"]
     assert est.already_committed_tokens == 0 and not any("already committed" in n for n in est.notes)
+    # a run that starts a new version writes everything; so would one of another layer set (refused, after its plan)
+    assert run({"data.max_samples": 30, "extract.new_version": True}).results["estimate"].already_committed_tokens == 0
+    refused = LocalRunner()
+    other_layers = {"stages": ["prepare", "extract"], "data.max_samples": 30, "layers.preset": "explicit"}
+    with pytest.raises(StoreError, match="another model or layer set"):
+        run_pipeline(config(tmp_path, {**other_layers, "layers.ids": [1, 2]}), refused)
+    assert refused.results["estimate"].already_committed_tokens == 0

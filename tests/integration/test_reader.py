@@ -109,7 +109,13 @@ def test_store_recipes_in_the_docs_recompute(small_store, model_dir):
             inner = a.metadata.codecs[0].codecs  # the sharding codec's chain: bytes, blosc, crc32c
             blosc = next(c for c in inner if type(c).__name__ == "BloscCodec")
             assert (blosc.cname.value, blosc.clevel, blosc.typesize) == ("zstd", 1, a.dtype.itemsize)
-            assert blosc.blocksize == 1 << 20
+            assert (blosc.shuffle.value, blosc.blocksize) == ("shuffle", 1 << 20)
+        # chunk_tokens = floor(4 MiB / bytes per token of hidden); the unit is smaller than one 128 MiB shard, so
+        # its single shard is its token count rounded up to whole chunks
+        h = unit["hidden"]
+        chunk = 4 * 2**20 // (h.shape[1] * h.shape[2] * h.dtype.itemsize)
+        assert unit.attrs["chunk_tokens"] == min(chunk, unit.attrs["shard_tokens"])
+        assert unit.attrs["shard_tokens"] == max(chunk, -(-unit.attrs["n_tokens"] // chunk) * chunk)
 
 
 def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_path):
