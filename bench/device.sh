@@ -57,7 +57,7 @@ for step in "$@"; do
     scaling) python3 multi_gpu_bench.py --out "$OUT" --train-steps 200 2>&1 | tee "$OUT/scaling_log.txt" ;;
     # A fresh VM disk writes its first blocks slowly (session 7: 8-9 s of writer wait in the first 8B run, 0.35 s
     # once ~60 GB had been written): fill most of the free disk once before measuring the pipeline, then delete.
-    disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( (free - 6) * 64 ))
+    disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( free > 6 ? (free - 6) * 64 : 0 ))
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
