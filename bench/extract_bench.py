@@ -49,6 +49,7 @@ from common import (
     write_manifest_checkpoint,
 )
 from extract_measure import (
+    GIB,
     check_first_batch,
     measure_forward,
     measure_naive,
@@ -61,7 +62,6 @@ from extract_measure import (
 )
 from instruments import Sampler, flops, linear_flops_per_token, matmul_peak
 
-GIB = 2**30
 # (b) variant keys the bench handles itself; any other key is an extract.* setting
 BENCH_KEYS = ("threads", "switch", "codec_threads")
 

@@ -356,7 +356,7 @@ def _committed_tokens(cfg: RunConfig, report: ProbeReport, prepared: PrepareResu
         return 0
     try:
         store = Store(cfg.store, cfg.store_options)
-        identity = {**target_identity(cfg, report, logical), "format_version": FORMAT_VERSION}
+        identity = target_identity(cfg, report, logical)  # format_version included
         v = next((v for v in reversed(store.versions()) if same_identity(store.attrs(v), identity)), None)
         if v is None:
             return 0
