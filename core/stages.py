@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +36,7 @@ from dflash_pipeline.extraction.probe import probe as probe_target
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.extraction.tokenizer import load_tokenizer
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
+from dflash_pipeline.storage.commit import exclusive_lock
 from dflash_pipeline.storage.store import PlanResult, Store
 
 log = logging.getLogger(__name__)
@@ -271,6 +274,24 @@ def retain(cfg: RunConfig, version: str, export_dir: str | None):
     return rep
 
 
+@contextmanager
+def drafter_dir_lock(cfg: RunConfig) -> Iterator[None]:
+    """One run at a time in a drafter directory, across train, retain and evaluate: two runs would interleave
+    their checkpoints, and one's export would replace the other's while it is evaluated. A second run stops at
+    once with an error naming the directory and the run that holds it."""
+    out = cfg.drafter_dir
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(
+        out / ".lock",
+        f"pid {os.getpid()} on {socket.gethostname()}",
+        lambda holder: PipelineError(
+            f"drafter directory {out} is in use by another run ({holder}); wait for it to finish, "
+            "or give this run another train.output_dir"
+        ),
+    ):
+        yield
+
+
 def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
     """Acceptance length of the exported drafter on held-out prompts (and of an untrained one)."""
     if not export_dir or not Path(export_dir).exists():
@@ -441,20 +462,23 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
                 summary.pruned = store.prune(cfg.extract.keep_versions)
             summary.current = store.current()
         runner.extracted(summary)
-    if "train" in stages:
-        version = summary.current or store.current()
-        if version is None:
-            raise PipelineError(
-                f"no validated store version under {cfg.store} to train on: run the extract and validate stages first"
-            )
-        trained = runner.train(cfg, report, version)
-        summary.drafter, summary.final_loss = trained.export_dir, trained.final_loss
-        if cfg.retention.mode != "keep":  # off by default: then nothing is ever deleted
-            kept = runner.retain(cfg, version, trained.export_dir)
-            summary.retention, summary.bytes_freed = kept.line(), kept.bytes_freed
-    if "evaluate" in stages:
-        acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
-        summary.acceptance_length = round(acceptance.acceptance_length, 3)
-        untrained = acceptance.untrained_acceptance_length
-        summary.untrained_acceptance_length = round(untrained, 3) if untrained is not None else None
+    if stages & {"train", "evaluate"}:
+        with drafter_dir_lock(cfg):
+            if "train" in stages:
+                version = summary.current or store.current()
+                if version is None:
+                    raise PipelineError(
+                        f"no validated store version under {cfg.store} to train on: "
+                        "run the extract and validate stages first"
+                    )
+                trained = runner.train(cfg, report, version)
+                summary.drafter, summary.final_loss = trained.export_dir, trained.final_loss
+                if cfg.retention.mode != "keep":  # off by default: then nothing is ever deleted
+                    kept = runner.retain(cfg, version, trained.export_dir)
+                    summary.retention, summary.bytes_freed = kept.line(), kept.bytes_freed
+            if "evaluate" in stages:
+                acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
+                summary.acceptance_length = round(acceptance.acceptance_length, 3)
+                untrained = acceptance.untrained_acceptance_length
+                summary.untrained_acceptance_length = round(untrained, 3) if untrained is not None else None
     return summary

@@ -30,6 +30,7 @@ from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation
 from dflash_pipeline.dataprep.render import render
 from dflash_pipeline.dataprep.sources import BadLine, iter_rows, resolve_encoding, source_fingerprint
 from dflash_pipeline.errors import DataError
+from dflash_pipeline.storage.commit import taking_turns
 
 log = logging.getLogger(__name__)
 PREPARE_VERSION = "2"
@@ -116,16 +117,31 @@ def prepare_dataset(
     out_root: Path,
     progress: Callable[[int, float], None] | None = None,
 ) -> PrepareResult:
-    """Prepare `source` into `out_root/<fingerprint>`; reuse it when it already exists."""
+    """Prepare `source` into `out_root/<fingerprint>`; reuse it when it already exists.
+
+    Runs that prepare the same dataset at once (several deployment runs on one output_dir) take turns on
+    `out_root/.<fingerprint>.lock`: the first builds it, the others wait and reuse it."""
     fp = fingerprint(cfg, source, tokenizer)
     final = Path(out_root) / fp
-    manifest = final / "manifest.json"
-    if manifest.exists():
-        res = PrepareResult(**json.loads(manifest.read_text()))
-        res.reused = True
-        log.info("prepared dataset %s already exists (%d samples); reusing it", final, res.n_samples)
+    res = _reuse(final)
+    if res is not None:
         return res
+    with taking_turns(final.parent / f".{fp}.lock", f"another run is preparing {final}; waiting for it"):
+        return _reuse(final) or _build(cfg, source, tokenizer, fp, final, progress)
 
+
+def _reuse(final: Path) -> PrepareResult | None:
+    manifest = final / "manifest.json"
+    if not manifest.exists():
+        return None
+    res = PrepareResult(**json.loads(manifest.read_text()))
+    res.reused = True
+    log.info("prepared dataset %s already exists (%d samples); reusing it", final, res.n_samples)
+    return res
+
+
+def _build(cfg: DataConfig, source: str, tokenizer, fp: str, final: Path, progress) -> PrepareResult:
+    """Tokenize and write `final`; the caller holds its lock."""
     import datasets
 
     encoding = resolve_encoding(source, cfg.encoding)
@@ -179,7 +195,6 @@ def prepare_dataset(
     n = len(cols["sample_id"])
     by_reason = dict(Counter(q["kind"] for q in quarantine).most_common())
     assert n_rows == n + len(quarantine) + sum(dropped.values())
-    final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():  # an earlier attempt that failed (no manifest): replaced, never mixed in
         shutil.rmtree(final)
     if n == 0:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.storage.commit import taking_turns
+
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -88,16 +90,19 @@ def ensure_built(root: Path | None = None) -> Path:
     root = root or default_dir()
     if (root / "BUILD_OK").exists():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
-    try:
-        _build(tmp)
-        (tmp / "BUILD_OK").write_text(BUILD_VERSION)
-        if root.exists():  # an interrupted earlier build; never partially visible
-            shutil.rmtree(root)
-        os.replace(tmp, root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Runs started at once on a fresh machine take turns: one builds, the others wait and find it built.
+    with taking_turns(root.parent / f".{root.name}.lock", f"another process is building {root}; waiting for it"):
+        if (root / "BUILD_OK").exists():
+            return root
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
+        try:
+            _build(tmp)
+            (tmp / "BUILD_OK").write_text(BUILD_VERSION)
+            if root.exists():  # an interrupted earlier build; never partially visible
+                shutil.rmtree(root)
+            os.replace(tmp, root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 

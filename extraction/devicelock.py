@@ -18,9 +18,20 @@ from dflash_pipeline.storage.commit import exclusive_lock
 
 
 def lock_dir() -> Path:
+    """Shared by every user of the host (the GPUs are): world-writable and sticky, like /tmp itself."""
     d = Path(os.environ.get("DFLASH_LOCK_DIR", "/tmp/dflash-pipeline-locks"))
     d.mkdir(parents=True, exist_ok=True)
+    _share(d, 0o1777)
     return d
+
+
+def _share(path: Path, mode: int) -> None:
+    """Give `path` `mode` if this user owns it (only the owner may; another user's is left as it is)."""
+    try:
+        if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o7777 != mode:
+            path.chmod(mode)
+    except FileNotFoundError:
+        pass
 
 
 def _physical(device: str, position: int) -> str:
@@ -38,6 +49,8 @@ def device_lock(device: str, store: str) -> Iterator[None]:
             if d.startswith("cpu"):  # CPU workers may share the host
                 continue
             path = lock_dir() / f"{socket.gethostname()}-{_physical(d, position)}.lock"
+            path.touch(exist_ok=True)
+            _share(path, 0o666)  # another user's run must be able to open it to find it held
             holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
             stack.enter_context(
                 exclusive_lock(

@@ -23,6 +23,7 @@ from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
 from dflash_pipeline.handoff import Handoff
+from dflash_pipeline.storage.commit import write_atomic
 
 log = logging.getLogger(__name__)
 GDN_PADDING_FIXED = "5.15.0"  # first transformers release where padded batches through GDN layers are right
@@ -359,4 +360,5 @@ def probe(
 
 
 def save_report(report: ProbeReport, path: Path) -> None:
-    Path(path).write_text(json.dumps(report.to_dict(), indent=2))  # for people; processes get to_json()
+    # for people; processes get to_json(). Atomic: runs sharing an output_dir write it at once.
+    write_atomic(Path(path), json.dumps(report.to_dict(), indent=2).encode())

@@ -1,6 +1,6 @@
 """Atomic small-file writes on a local filesystem (the commit records and the CURRENT pointer), the
-local store lock, and the crash points of the kill tests. storage/location.py uses these for local stores
-and has the object-storage counterparts.
+local store lock, the turn-taking lock of work that several runs may start at once, and the crash points
+of the kill tests. storage/location.py uses these for local stores and has the object-storage counterparts.
 
 A record is written to a temp file, fsynced, renamed over the old one and the directory fsynced: a
 reader (or a process restarted after SIGKILL or power loss) sees either the old record or the new one,
@@ -10,11 +10,14 @@ never a torn one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Test-only fault injection: "point:n" SIGKILLs this process at the n-th time `point` is reached.
 # Used by the kill tests to crash at exact places (inside a forward, after a shard write, mid-commit).
@@ -95,6 +98,23 @@ def remove_partials(directory: Path) -> int:
         p.unlink(missing_ok=True)
         n += 1
     return n
+
+
+@contextmanager
+def taking_turns(path: Path, waiting: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, waiting for whoever holds it (logging `waiting` once): for work that
+    several runs may start at once and only one should do, the others then finding it done. flock dies with its
+    process, so a killed holder never blocks the next."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s", waiting)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 @contextmanager

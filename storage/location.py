@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -310,9 +311,8 @@ class LocalLocation(Location):
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".write-test-"):  # unique: runs check at once
+                pass
         except OSError as e:
             raise StoreError(
                 f"store path {self.root} cannot be written ({e.strerror}); choose another "

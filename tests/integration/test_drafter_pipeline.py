@@ -172,3 +172,35 @@ def test_distillation_from_stored_last_hidden(work):
     res = train(cfg, work["store"], work["report"], work["root"] / "distill")
     losses = [h["loss"] for h in res.history]
     assert all(x >= 0 and x == x for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_a_second_run_in_the_same_drafter_directory_is_refused(tmp_path):
+    """Two runs on one output_dir (a nightly and a manual run) must not interleave checkpoints in one drafter
+    directory, nor replace an export the other is evaluating: while one holds it, the other stops at once with an
+    error naming the directory and the holder, and the directory is free again when the holder dies."""
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.stages import LocalRunner, run_pipeline
+
+    over = {"output_dir": str(tmp_path), "store_path": str(tmp_path / "store"), "stages": ["train", "evaluate"]}
+    over |= {"extract.devices": "cpu", "train.device": "cpu"}
+    cfg = load_config(overrides=over)
+    cfg.drafter_dir.mkdir(parents=True)
+    lock = str(cfg.drafter_dir / ".lock")
+    hold = (
+        "import pathlib, time\n"
+        "from dflash_pipeline.storage.commit import exclusive_lock\n"
+        f"with exclusive_lock(pathlib.Path({lock!r}), 'pid 4242 (the other run)', ValueError):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(PipelineError, match=r"drafter directory .* in use by another run \(pid 4242 \(the other"):
+            run_pipeline(cfg, LocalRunner())
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(PipelineError, match="no validated store version"):  # past the lock: the next check
+        run_pipeline(cfg, LocalRunner())
