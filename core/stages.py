@@ -88,19 +88,45 @@ def probe(cfg: RunConfig) -> ProbeReport:
     return probe_target(cfg.target, cfg.layers, cfg.extract, model, tokenizer)
 
 
+def using_gpus(devices: list[str], doing: str, setting: str):
+    """The GPUs among `devices` held for a stage run in this process (extraction workers hold their own): a run
+    that asks for one while another run's stage holds it fails at once, naming that run, instead of running out
+    of GPU memory half-way (or sizing its batches from what the other left free)."""
+    from dflash_pipeline.extraction.devicelock import gpu_locks
+
+    return gpu_locks(devices, doing, f"wait for that run, or give this run other GPUs ({setting})")
+
+
+def check_gpus_free(replicas: list[str]) -> None:
+    """Extraction's GPUs, taken and released at once: one that another run holds fails the run before its batch
+    plan is sized (from the memory that run left free) and pinned; the workers then hold them for real."""
+    from dflash_pipeline.extraction.placement import replica_devices
+
+    with using_gpus([d for r in replicas for d in replica_devices(r)], "checking its GPUs", "extract.devices"):
+        pass
+
+
+def _one_device(spec: str) -> list[str]:
+    from dflash_pipeline.drafter.runtime import resolve_device
+
+    return [str(resolve_device(spec))]
+
+
 def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenProgress], None] | None = None):
     """The dataset's assistant turns rewritten by the target, in this process or by an OpenAI-compatible server
     (regenerate.backend); resumable. Returns RegenerateResult."""
-    return regenerate_responses(
-        resolve_source(cfg.data.source),
-        cfg.regenerated_path,
-        report,
-        cfg.regenerate,
-        fmt=cfg.data.format,
-        split=cfg.data.split,
-        max_samples=cfg.data.max_samples,
-        progress=progress,
-    )
+    here = _one_device(cfg.regenerate.device) if cfg.regenerate.backend == "transformers" else []
+    with using_gpus(here, f"regenerating {cfg.regenerated_path}", "regenerate.device"):
+        return regenerate_responses(
+            resolve_source(cfg.data.source),
+            cfg.regenerated_path,
+            report,
+            cfg.regenerate,
+            fmt=cfg.data.format,
+            split=cfg.data.split,
+            max_samples=cfg.data.max_samples,
+            progress=progress,
+        )
 
 
 def prepare(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, float], None] | None = None):
@@ -160,15 +186,17 @@ def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, versi
     import json
 
     from dflash_pipeline.extraction.loader import load_compiled
-    from dflash_pipeline.extraction.placement import input_device
+    from dflash_pipeline.extraction.placement import input_device, replica_devices
     from dflash_pipeline.extraction.validate import validate_store
 
     device = report.replicas[0]  # one GPU, or the GPUs of a split replica
     store = Store(cfg.store, cfg.store_options)
     model = None
-    if cfg.validate_.recompute_samples:  # the forward extraction ran (extract.compile), on the same devices
-        model, _, _ = load_compiled(report, device, cfg.extract.compile)
-    result = validate_store(store, version, prepared, cfg.validate_, model=model, device=input_device(device))
+    gpus = replica_devices(device) if cfg.validate_.recompute_samples else []
+    with using_gpus(gpus, f"validating store {cfg.store}", "extract.devices"):
+        if cfg.validate_.recompute_samples:  # the forward extraction ran (extract.compile), on the same devices
+            model, _, _ = load_compiled(report, device, cfg.extract.compile)
+        result = validate_store(store, version, prepared, cfg.validate_, model=model, device=input_device(device))
     store.loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict(), indent=1).encode())
     return result
 
@@ -190,15 +218,19 @@ def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> T
     from dflash_pipeline.drafter.train import train as train_drafter
 
     world = _train_world(cfg)
-    with training(
-        cfg.store,
-        cfg.store_options,
-        version,
-        cfg.train,
-        world,
-        cfg.drafter_dir,
-        cfg.retention.mode,
-        cfg.retention.poll_s,
+    gpus = [f"cuda:{i}" for i in range(world)] if world > 1 else _one_device(cfg.train.device)
+    with (
+        using_gpus(gpus, f"training {cfg.drafter_dir}", "CUDA_VISIBLE_DEVICES, train.device"),
+        training(
+            cfg.store,
+            cfg.store_options,
+            version,
+            cfg.train,
+            world,
+            cfg.drafter_dir,
+            cfg.retention.mode,
+            cfg.retention.poll_s,
+        ),
     ):
         if world > 1:
             return train_with_torchrun(cfg, report, version, world)
@@ -296,7 +328,8 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
     """Acceptance length of the exported drafter on held-out prompts (and of an untrained one)."""
     if not export_dir or not Path(export_dir).exists():
         raise PipelineError(f"no exported drafter at {export_dir!r}: run the train stage first")
-    return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
+    with using_gpus(_one_device(cfg.evaluate.device), f"evaluating {export_dir}", "evaluate.device"):
+        return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
 
 
 def discard_failed_versions(store: Store) -> list[str]:
@@ -446,6 +479,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
             summary.version, summary.units = plan_.version, plan_.n_units
             summary.new_units, summary.new_samples = len(plan_.new_units), plan_.new_samples
             if "extract" in stages:
+                check_gpus_free(report.replicas)
                 results = runner.extract(cfg, report, plan_)
                 summary.tokens_extracted = sum(r.tokens for r in results)
                 summary.forward_passes = sum(r.forward_passes for r in results)

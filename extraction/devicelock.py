@@ -34,32 +34,47 @@ def _share(path: Path, mode: int) -> None:
         pass
 
 
-def _physical(device: str, position: int) -> str:
+def _physical_in_worker(device: str, position: int) -> str:
     """The lock is per physical GPU. In the worker process CUDA_VISIBLE_DEVICES lists exactly its replica's
     GPUs, in order (target/procs.child_env), so the replica's `position`-th GPU is that entry."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return f"gpu{visible.split(',')[position]}" if visible else f"gpu{device.split(':')[1]}"
 
 
+def _physical_here(device: str, position: int) -> str:
+    """A GPU named in this process's own numbering ("cuda" is "cuda:0")."""
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"gpu{visible.split(',')[index].strip()}" if visible else f"gpu{index}"
+
+
 @contextmanager
-def device_lock(device: str, store: str) -> Iterator[None]:
-    """Locks every GPU of `device` (one, or a split replica's "cuda:0+cuda:1")."""
+def gpu_locks(devices: list[str], doing: str, fix: str, physical=_physical_here) -> Iterator[None]:
+    """Hold every GPU in `devices` (CPU entries are skipped: CPU work may share the host) for `doing` (named to
+    whoever finds it held); a GPU already held is an error naming its holder and `fix`."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
     with ExitStack() as stack:
-        for position, d in enumerate(replica_devices(device)):
-            if d.startswith("cpu"):  # CPU workers may share the host
+        for position, d in enumerate(devices):
+            if not d.startswith("cuda"):
                 continue
-            path = lock_dir() / f"{socket.gethostname()}-{_physical(d, position)}.lock"
+            path = lock_dir() / f"{socket.gethostname()}-{physical(d, position)}.lock"
             path.touch(exist_ok=True)
             _share(path, 0o666)  # another user's run must be able to open it to find it held
-            holder = f"pid {os.getpid()}, store {store}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
             stack.enter_context(
                 exclusive_lock(
                     path,
-                    holder,
-                    lambda h, d=d: PipelineError(
-                        f"{d} is in use by another dflash-pipeline run ({h}); choose other devices with "
-                        "extract.devices or wait for that run"
-                    ),
+                    f"pid {os.getpid()}, {doing}, since {since}",
+                    lambda h, d=d: PipelineError(f"{d} is in use by another dflash-pipeline run ({h}); {fix}"),
                 )
             )
         yield
+
+
+def device_lock(device: str, store: str):
+    """An extraction worker's lock on every GPU of `device` (one, or a split replica's "cuda:0+cuda:1")."""
+    return gpu_locks(
+        replica_devices(device),
+        f"store {store}",
+        "choose other devices with extract.devices or wait for that run",
+        physical=_physical_in_worker,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -21,6 +22,45 @@ def test_gpu_in_use_by_another_run_is_a_clear_error(tmp_path, monkeypatch):
                 pass
     with device_lock("cuda:0", "/stores/b"):  # released with its holder
         pass
+
+
+def test_a_gpu_is_one_lock_whichever_stage_or_numbering_holds_it(tmp_path, monkeypatch):
+    """A nightly extraction while a training runs on the same GPU: the GPU is found held at once (before the batch
+    plan is sized from what training left free), named in each process's own numbering. The flow process sees
+    GPUs 2,3 as cuda:0,1; an extraction worker given GPU 3 sees it as cuda:0."""
+    import sys
+
+    from dflash_pipeline.stages import check_gpus_free, using_gpus
+
+    monkeypatch.setenv("DFLASH_LOCK_DIR", str(tmp_path))
+    hold = (
+        "import time\n"
+        "from dflash_pipeline.extraction.devicelock import device_lock\n"
+        "with device_lock('cuda:0', '/stores/nightly'):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3"}
+    worker = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert worker.stdout.readline().strip() == "held"
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+        with using_gpus(["cuda:0", "cpu"], "training /runs/a/drafter", "train.device"):
+            pass  # GPU 2 is free
+        with pytest.raises(PipelineError, match=r"cuda:1 is in use .*store /stores/nightly.*give this run other GPUs"):
+            with using_gpus(["cuda:1"], "training /runs/a/drafter", "train.device"):
+                pass
+        with pytest.raises(PipelineError, match=r"cuda:1 is in use .*\(extract.devices\)"):
+            check_gpus_free(["cuda:0+cuda:1"])
+    finally:
+        worker.kill()
+        worker.wait()
+    check_gpus_free(["cuda:0+cuda:1"])  # free again once the holder is gone
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with using_gpus(["cuda"], "evaluating /runs/a/drafter/export", "evaluate.device"):  # "cuda" is cuda:0
+        with pytest.raises(PipelineError, match=r"cuda:0 is in use .*evaluating /runs/a/drafter/export"):
+            with device_lock("cuda:0", "/stores/nightly"):
+                pass
 
 
 def test_hung_worker_is_killed_at_its_timeout(small_store):
