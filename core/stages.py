@@ -479,7 +479,8 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
             summary.version, summary.units = plan_.version, plan_.n_units
             summary.new_units, summary.new_samples = len(plan_.new_units), plan_.new_samples
             if "extract" in stages:
-                check_gpus_free(report.replicas)
+                if cfg.extract.engine == "local":  # Ray's workers hold the GPUs of the nodes they run on
+                    check_gpus_free(report.replicas)
                 results = runner.extract(cfg, report, plan_)
                 summary.tokens_extracted = sum(r.tokens for r in results)
                 summary.forward_passes = sum(r.forward_passes for r in results)
