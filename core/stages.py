@@ -40,6 +40,9 @@ from dflash_pipeline.storage.commit import exclusive_lock
 from dflash_pipeline.storage.store import PlanResult, Store
 
 log = logging.getLogger(__name__)
+# How long a run waits for the store lock when its holder is retention deleting data (storage/store.py `Store.lock`);
+# any other holder (another run extracting the store) fails the run at once.
+STORE_BRIEF_WAIT_S = 600.0
 
 
 # ---- paths ------------------------------------------------------------------------------------------------
@@ -471,7 +474,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
         summary.planned_store_bytes = est.store_bytes
         check_room(est, cfg)
     if stages & {"extract", "validate"}:
-        with store.lock():  # one run per store at a time, whichever deployment started it
+        with store.lock(wait_for_brief_s=STORE_BRIEF_WAIT_S):  # one run per store at a time, whichever deployment
             summary.previous_current = store.current()
             if cfg.extract.new_version and "extract" in stages:  # nightly: heal after a failed night
                 discard_failed_versions(store)

@@ -184,7 +184,7 @@ def _store_lock(store: Store, held: bool) -> Iterator[str | None]:
         return
     stack = ExitStack()
     try:
-        stack.enter_context(store.lock())
+        stack.enter_context(store.lock(brief="deleting retired hidden states"))
     except StoreError as e:
         if "in use by another run" not in str(e):
             raise

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,17 @@ class PlanResult:
     n_units: int
     new_samples: int
     repaired_units: list[str] = ()  # units that failed verification: discarded and planned again, as before
+
+
+BRIEF = "(brief)"  # in a store lock's holder: the holder will let go soon; a run may wait for it
+
+
+class _Busy(Exception):
+    """The store lock is taken; `holder` is what its holder recorded."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
 
 
 def _now() -> str:
@@ -274,16 +285,29 @@ class Store:
         return pruned
 
     @contextmanager
-    def lock(self) -> Iterator[None]:
-        """Exclusive use of this store by one run (plan, extract, validate, promote)."""
+    def lock(self, brief: str | None = None, wait_for_brief_s: float = 0.0) -> Iterator[None]:
+        """Exclusive use of this store by one run (plan, extract, validate, promote), taken without waiting for
+        another run. A holder that says it is `brief` (retention deleting data: seconds to minutes) is waited
+        for, up to `wait_for_brief_s`, so that a nightly run does not fail because a training run was deleting
+        the units its checkpoint had covered at that moment."""
         self.check_writable()
-        with self.loc.lock(
-            ".lock",
-            f"pid {os.getpid()} on {socket.gethostname()} since {_now()}",
-            lambda holder: StoreError(
-                f"store {self.url} is in use by another run ({holder}); wait for it to finish or use another store_path"
-            ),
-        ):
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}" + (f", {brief} {BRIEF}" if brief else "")
+        deadline, waited, held = time.monotonic() + wait_for_brief_s, False, ExitStack()
+        while True:
+            try:
+                held.enter_context(self.loc.lock(".lock", holder, _Busy))
+                break
+            except _Busy as e:
+                if BRIEF not in e.holder or time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"store {self.url} is in use by another run ({e.holder}); wait for it to finish or use "
+                        "another store_path"
+                    ) from None
+                if not waited:
+                    log.info("store %s: waiting for %s", self.url, e.holder)
+                waited = True
+                time.sleep(0.5)
+        with held:
             yield
 
     # ---- units ----------------------------------------------------------------------------------

@@ -57,6 +57,39 @@ def test_store_lock_is_exclusive(tmp_path):
         pass
 
 
+def test_a_run_waits_for_a_retention_deletion_but_not_for_another_run(tmp_path):
+    """A nightly run that finds a training run's retention deleting units (the store lock, for seconds) waits for
+    it instead of failing; a holder that is another run (or a deletion past the wait) fails it at once, named."""
+    import threading
+    import time
+
+    store = Store(tmp_path / "store")
+    held, done = threading.Event(), threading.Event()
+
+    def delete_for(seconds: float) -> None:
+        with Store(tmp_path / "store").lock(brief="deleting retired hidden states"):
+            held.set()
+            time.sleep(seconds)
+        done.set()
+
+    threading.Thread(target=delete_for, args=(1.5,)).start()
+    held.wait(10)
+    t0 = time.monotonic()
+    with store.lock(wait_for_brief_s=30):
+        assert done.is_set() and time.monotonic() - t0 > 1.0
+    held.clear(), done.clear()
+    threading.Thread(target=delete_for, args=(2.0,)).start()
+    held.wait(10)
+    with pytest.raises(StoreError, match=r"in use by another run \(pid \d+ .*deleting retired hidden states"):
+        with store.lock(wait_for_brief_s=0.5):
+            pass
+    done.wait(10)
+    with store.lock():  # another run: no waiting, whatever the run would wait for a brief holder
+        with pytest.raises(StoreError, match=r"in use by another run \(pid \d+ on \S+ since [^,]*\)"):
+            with Store(tmp_path / "store").lock(wait_for_brief_s=30):
+                pass
+
+
 def test_failed_run_with_broken_weights_does_not_block_the_next(tmp_path, model_dir):
     """A run that fails before committing anything (truncated weights) leaves a version nothing was ever
     committed to; the next run, with the weights repaired, must not be refused as 'another model'."""
