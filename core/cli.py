@@ -50,8 +50,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(
-            f"stopped ({str(e) or 'Ctrl-C'}): extraction workers were stopped; what was committed is kept, and running "
-            "the same command again resumes from there",
+            f"stopped ({str(e) or 'Ctrl-C'}): what was committed (store units, training checkpoints) is kept, and "
+            "running the same command again resumes from there",
             file=sys.stderr,
         )
         return 130
@@ -97,8 +97,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cfg = stages.resolve_paths(cfg)
         report = stages.probe(cfg)
+        regenerated = cfg.regenerate.enabled and cfg.regenerated_path.is_file()
+        if regenerated:  # an earlier run's replies: what a run prepares and extracts (it adds any missing first)
+            cfg = cfg.model_copy(update={"data": stages.regenerated_data(cfg)})
         prepared = stages.prepare(cfg, report)  # written under output_dir/prepared: `run` reuses it
         est = stages.estimate(cfg, report, prepared)
+        if regenerated:
+            est.notes.insert(
+                0,
+                f"regenerate is on: the figures count the replies already regenerated in {cfg.regenerated_path} "
+                "(a run first regenerates any conversation that file lacks)",
+            )
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -207,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C, SIGTERM, SIGHUP stop it)"
     )
     sv.add_argument("--port", type=int, default=4200)
-    sv.add_argument("--home", help="Prefect's home (database, logs); default $PREFECT_HOME or ~/.prefect")
+    sv.add_argument(
+        "--home",
+        help="Prefect's home (its SQLite database, and serve's logs); default $PREFECT_HOME or ~/.prefect, logs then "
+        "under ./runs/logs",
+    )
     sv.add_argument(
         "--database",
         metavar="URL",

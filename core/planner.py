@@ -67,21 +67,21 @@ RECORDED = {
         42724,
         "H200",
         _P8B,
-        "bench/RESULTS.md, session 7, call 3 (b)",
+        "bench/RESULTS.md: 8B shape, full pipeline on one H200",
     ),
     "hybrid": Recorded(
         "Qwen3.6-27B shape (Gated DeltaNet hybrid), pipeline defaults",
         11637,
         "H200",
         _P27B,
-        "bench/RESULTS.md, session 6, call 4 (b)",
+        "bench/RESULTS.md: 27B hybrid shape, full pipeline on one H200",
     ),
     "train": Recorded(
         "DFlash drafter of the 8B shape (5 draft layers, hidden 4096, block 16, 512 anchors, batch 1)",
         6051,
         "H200",
         5 * 4096**2,
-        "bench/RESULTS.md, session 7, 10.6 minutes of bench/train_bench.py",
+        "bench/RESULTS.md: bench/train_bench.py, 10.6 minutes on one H200",
     ),
 }
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -127,6 +129,32 @@ def check_api(url: str, timeout: float = 5.0) -> None:
     raise PipelineError(f"the Prefect API at {url} answered /health with an error")
 
 
+def _prefect_command() -> str:
+    """How this shell reaches this environment's `prefect`: the bare name when PATH finds this one, else its path
+    (a venv that is not activated)."""
+    mine = Path(sys.executable).parent / "prefect"
+    found = shutil.which("prefect")
+    if not mine.exists() or (found and Path(found).resolve() == mine.resolve()):
+        return "prefect"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind `host:port` as the server will (SO_REUSEADDR, as uvicorn does); in use is an error naming the fix."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PipelineError(
+                f"port {port} on {host} is in use ({e.strerror}): another Prefect server or `serve` is running "
+                "there; stop it, or choose another port with --port"
+            ) from None
+
+
 @dataclass
 class LocalPrefect:
     port: int = 4200
@@ -190,6 +218,7 @@ class LocalPrefect:
     def start_server(self, timeout: float = 120) -> None:
         if self.database:
             check_database(self.database)
+        check_port_free(self.host, self.port)  # else the health check below would find the server holding it
         p = self._spawn("server", "server", "start", "--host", self.host, "--port", str(self.port))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -281,7 +310,8 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
             f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url}; database {db}; Prefect home "
             f"{where}; logs under {lp.log_dir})\n"
             f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC)\n"
-            f"trigger: PREFECT_API_URL={lp.api_url} prefect deployment run 'dflash-pipeline/extract-only' "
+            f"trigger: PREFECT_API_URL={lp.api_url} {_prefect_command()} deployment run "
+            "'dflash-pipeline/extract-only' "
             "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops server and worker.",
             flush=True,
         )

@@ -132,6 +132,11 @@ def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenPro
         )
 
 
+def regenerated_data(cfg: RunConfig):
+    """The data settings of a run once the regenerate stage has written the target's own replies."""
+    return cfg.data.model_copy(update={"source": str(cfg.regenerated_path), "format": "messages"})
+
+
 def prepare(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, float], None] | None = None):
     """Token ids and assistant loss masks (reused when the same preparation exists)."""
     tokenizer = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
@@ -460,8 +465,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
     summary.layer_ids = report.layer_ids
     if "regenerate" in stages or cfg.regenerate.enabled:
         regenerated = runner.regenerate(cfg, report)  # the target's own answers replace the dataset's
-        data = cfg.data.model_copy(update={"source": regenerated.path, "format": "messages"})
-        cfg = cfg.model_copy(update={"data": data})
+        cfg = cfg.model_copy(update={"data": regenerated_data(cfg)})
         summary.regenerated = regenerated.path
     prepared = None
     if stages & {"prepare", "extract", "validate"}:

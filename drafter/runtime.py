@@ -1,4 +1,4 @@
-"""Process plumbing of training: device and torch.distributed setup, SIGTERM handling, the resumable
+"""Process plumbing of training: device and torch.distributed setup, stop signals, the resumable
 data order and the learning-rate schedule. Kept apart from the training step so train.py reads as
 the recipe."""
 
@@ -11,6 +11,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,32 +55,53 @@ def setup(cfg: TrainConfig) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), dev, owns)
 
 
-class StopOnSigterm:
-    """SIGTERM -> flag (checked at step boundaries). Only the main thread may install handlers.
+class StopAtStepBoundary:
+    """SIGTERM, SIGINT (Ctrl-C) or SIGHUP -> flag, checked at step boundaries, where the training saves a checkpoint
+    and returns. A second Ctrl-C stops at once (no checkpoint). Only the main thread may install handlers; SIGINT
+    and SIGHUP are only caught where Python already handles them (the CLI; Python's own Ctrl-C).
 
-    Once the checkpoint is saved (the with-block ends), a SIGTERM that arrived is handed to the handler that was
+    Once the checkpoint is saved (the with-block ends), the signal that arrived is handed to the handler that was
     there before, if it was Python's: Prefect's (a cancelled flow run: the task then ends as stopped, not as a
-    finished training that evaluation would follow, and is not retried) or the CLI's (a stop). With the default
-    handler (`python -m dflash_pipeline.drafter.train`, torchrun) train() returns `interrupted` and main exits 143.
+    finished training that evaluation would follow, and is not retried), the CLI's (a stop), Python's own SIGINT
+    handler (KeyboardInterrupt). With the default SIGTERM handler (`python -m dflash_pipeline.drafter.train`,
+    torchrun) train() returns `interrupted` and main exits 143.
     """
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
     def __init__(self):
-        self.flag, self._prev = False, None
+        self.signum: int | None = None
+        self._prev: dict[int, Any] = {}
+
+    @property
+    def flag(self) -> bool:
+        return self.signum is not None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGTERM, self._handle)
+            for sig in self.SIGNALS:  # SIGINT and SIGHUP only where Python handles them (Ctrl-C, the CLI's stop)
+                if sig == signal.SIGTERM or callable(signal.getsignal(sig)):
+                    self._prev[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        log.warning("SIGTERM: saving a checkpoint at the next step boundary")
-        self.flag = True
+        if self.flag and signum == signal.SIGINT:  # Ctrl-C again: now, as without this handler
+            prev = self._prev[signum]
+            if callable(prev):
+                prev(signum, frame)
+            raise KeyboardInterrupt
+        log.warning(
+            "%s: saving a checkpoint at the next step boundary (Ctrl-C again stops at once, without it)",
+            signal.Signals(signum).name,
+        )
+        self.signum = signum
 
     def __exit__(self, exc_type, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGTERM, self._prev)
-            if self.flag and exc_type is None and callable(self._prev):
-                self._prev(signal.SIGTERM, None)
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev)
+        prev = self._prev.get(self.signum)
+        if self.flag and exc_type is None and callable(prev):
+            prev(self.signum, None)
 
 
 def epoch_batches(n: int, cfg: TrainConfig, world: int, rank: int, epoch: int) -> list[list[int]]:
@@ -110,8 +132,18 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.devic
                 num_workers=cfg.num_workers,
                 pin_memory=device.type == "cuda",
                 prefetch_factor=4 if cfg.num_workers else None,
+                worker_init_fn=_leave_stopping_to_the_trainer if cfg.num_workers else None,
             )
         epoch += 1
+
+
+def _leave_stopping_to_the_trainer(worker_id: int) -> None:
+    """A DataLoader worker leaves the run's process group. Prefect's cancel and a terminal's Ctrl-C signal the whole
+    group: torch's workers died of it first, and the training failed with "DataLoader worker ... is killed by
+    signal" instead of saving its checkpoint at the next step boundary. Out of the group they are stopped by the
+    loader as always (directly), and exit within seconds of the training process's death (torch's watchdog).
+    (Ignoring the signals instead would leave them unkillable by that shutdown: the process then hung at exit.)"""
+    os.setpgid(0, 0)
 
 
 def micro_per_epoch(n: int, world: int, batch_size: int) -> int:

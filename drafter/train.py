@@ -5,7 +5,7 @@ One process on CPU or one GPU; several GPUs through torch DDP: launch
 "store": ..., "target": ..., "output_dir": ..., "version": null, "tokenizer": null}).
 Data order comes from DistributedSampler (seed + epoch) and anchors from a generator seeded by
 (seed, micro-batch index, rank), so a resumed run replays exactly what an uninterrupted one would.
-SIGTERM sets a flag; the run saves a checkpoint at the next step boundary and returns interrupted.
+SIGTERM or Ctrl-C sets a flag; the run saves a checkpoint at the next step boundary and returns interrupted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dflash_pipeline.drafter.checkpoint import latest_checkpoint, load_checkpoin
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
-from dflash_pipeline.drafter.runtime import StopOnSigterm, lr_lambda, micro_batches, setup, total_steps
+from dflash_pipeline.drafter.runtime import StopAtStepBoundary, lr_lambda, micro_batches, setup, total_steps
 from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.probe import ProbeReport
@@ -212,7 +212,7 @@ def train(
     t0 = time.perf_counter()
     step, interrupted = start, False
     model.train()
-    with StopOnSigterm() as stop:
+    with StopAtStepBoundary() as stop:
         while step < total and not interrupted:
             sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, tokens, supervised, correct, stop
             for micro in range(cfg.grad_accum):
@@ -322,14 +322,21 @@ class TrainJob(Handoff):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun / subprocess entry: `python -m drafter.train job.json`. Exit 143 when stopped by SIGTERM."""
+    """torchrun / subprocess entry: `python -m drafter.train job.json`. Exit 143 when stopped by SIGTERM, 130 by
+    Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
         print("usage: python -m drafter.train JOB.json", file=sys.stderr)
         return 2
     job = TrainJob.from_json(Path(args[0]).read_text(), where=args[0])
-    res = train(job.train, job.store, job.report, job.output_dir, version=job.version, store_options=job.store_options)
+    try:
+        res = train(
+            job.train, job.store, job.report, job.output_dir, version=job.version, store_options=job.store_options
+        )
+    except KeyboardInterrupt:  # Ctrl-C: the checkpoint of the step boundary is saved (a second one: not)
+        print("stopped (Ctrl-C); run again to resume from the last checkpoint", file=sys.stderr)
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:
         Path(res.output_dir, "result.json").write_text(json.dumps(res.to_dict(), indent=2))
     return 143 if res.interrupted else 0

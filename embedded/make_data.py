@@ -160,6 +160,10 @@ def main() -> None:
             msgs = conversation(held_rng)
             # Keep everything up to (not including) the last assistant turn: a prompt to answer.
             f.write(json.dumps({"id": f"heldout-{i:03d}", "messages": msgs[:-1]}) + "\n")
+    print(
+        f"wrote {N_CONVERSATIONS} conversations (messages and ShareGPT forms) and {N_HELDOUT} held-out prompts "
+        f"to {DATA_DIR} (deterministic: the same files every time)"
+    )
 
 
 if __name__ == "__main__":

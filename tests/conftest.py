@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,13 @@ import torch
 
 pytest_plugins = ["tests.s3server"]  # the session's moto S3 server fixture, `s3`
 
+# Never the user's Prefect: its home (~/.prefect: the SQLite database `dflash-pipeline serve` shows, profiles) and
+# any server PREFECT_API_URL points at. Every Prefect of the session, and of the CLIs the tests start, lives here.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="dflash-tests-prefect-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("PREFECT_PROFILE", None)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

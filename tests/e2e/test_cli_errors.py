@@ -92,3 +92,24 @@ def test_an_error_in_the_flow_is_one_message_and_debug_shows_the_traceback(model
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     res, _ = _run(tmp_path, *sets, debug=True, env={"PREFECT_API_URL": prefect_harness})
     assert res.returncode == 2 and "Traceback" in res.stderr and "error: stages has validate" in res.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_and_starts_nothing(tmp_path):
+    """Another server on the port: before, serve's health check found that one, printed the full 'ready' banner
+    (and deployed onto the other server), then exited with 'the Prefect server exited'."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "dflash_pipeline.cli", "serve", "--port", str(port), "--home", str(tmp_path / "h")],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"port {port} on 127.0.0.1 is in use" in res.stderr and "--port" in res.stderr
+    assert "Prefect UI" not in res.stdout and not (tmp_path / "h").exists()

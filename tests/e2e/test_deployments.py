@@ -214,13 +214,15 @@ def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_
 
 def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out, tmp_path):
     """What the UI's Cancel does (set the flow run's state to CANCELLING): the worker stops the flow-run process
-    during training; the run ends Cancelled, the training task ran once, and no process of the run is left."""
+    during training (with DataLoader workers, as by default); the training saves a checkpoint, the run ends
+    Cancelled, the training task ran once, and no process of the run is left."""
     from prefect.states import Cancelling
 
     if Store(shared_out / "store").current() is None:  # made by the extract-only run above, unless run alone
         extracted = _wait(server, server.run_deployment("extract-only", {"output_dir": str(shared_out), **SMALL}))
         assert extracted.state.is_completed(), extracted.state
     long = {**TINY_TRAINING, "train.max_steps": 100000, "train.epochs": 100000.0, "train.output_dir": str(tmp_path)}
+    long["train.num_workers"] = 2  # the default: its DataLoader workers get the group's SIGTERM too
     run_id = server.run_deployment("train-only", {"output_dir": str(shared_out), **SMALL, **long})
 
     async def training_started(client):
@@ -249,6 +251,7 @@ def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out,
     tasks, _ = _task_runs_and_artifacts(server, run_id)
     train = [t for t in tasks if t.name.startswith("train drafter")]
     assert len(train) == 1 and train[0].run_count <= 1 and not train[0].state.is_completed(), train
+    assert list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint saved on cancel"
     assert not (tmp_path / "export").exists()  # and no evaluation ran after it
     assert not any(t.name.startswith("acceptance") for t in tasks)
 

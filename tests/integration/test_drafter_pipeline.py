@@ -140,6 +140,39 @@ def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-group"])
+def test_a_stop_to_the_process_group_saves_a_checkpoint_with_dataloader_workers(work, tmp_path, sig):
+    """A terminal's Ctrl-C and Prefect's cancel signal the whole process group, DataLoader workers included (the
+    default train.num_workers=2). Before, the workers died first and the training failed ("DataLoader worker ...
+    killed by signal") or stopped at once: no checkpoint, the steps since the last one lost."""
+    from tests.proctree import descendants, wait_gone
+
+    job = tmp_path / "job.json"
+    over = dict(TRAIN, num_workers=2, checkpoint_every=10_000, max_steps=10_000, epochs=1000)
+    spec = TrainJob(train=TrainConfig(**over), store=work["store"], report=work["report"], output_dir=str(tmp_path))
+    job.write_text(spec.to_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.drafter.train", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+    )
+    deadline = time.time() + 60
+    while len(children := descendants(proc.pid)) < 2:  # the loader's workers are up: training has started
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    os.killpg(proc.pid, sig)
+    rc = proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    assert rc == (130 if sig == signal.SIGINT else 143), err[-2000:]
+    assert "killed by signal" not in err, err[-2000:]
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*") if (p / "DONE").exists()], err[-2000:]
+    assert not wait_gone(children, timeout=15)
+
+
 def test_acceptance_trained_beats_untrained(work, reference):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -116,3 +116,27 @@ def test_already_committed_counts_only_this_datasets_samples(model_dir, tmp_path
     with pytest.raises(StoreError, match="another model or layer set"):
         run_pipeline(config(tmp_path, {**other_layers, "layers.ids": [1, 2]}), refused)
     assert refused.results["estimate"].already_committed_tokens == 0
+
+
+def test_plan_counts_the_regenerated_replies_once_they_exist(model_dir, tmp_path, capsys):
+    """With regenerate on, a run prepares and extracts the target's own replies: once an earlier run wrote them,
+    `plan` counts those (before, it counted data.source's and compared them with a store of regenerated ones)."""
+    import json
+
+    from dflash_pipeline.cli import main
+
+    args = ["plan", "--set", f"output_dir={tmp_path}", "--set", "extract.devices=cpu", "--set", "data.max_samples=40"]
+    args += ["--set", "regenerate.enabled=true"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "40 samples kept" in out and "the figures count the replies of data.source" in out
+    replies = tmp_path / "regenerated" / "conversations.jsonl"  # as an earlier run's regenerate stage leaves it
+    replies.parent.mkdir()
+    rows = [
+        {"messages": [{"role": "user", "content": f"count to {i}"}, {"role": "assistant", "content": "1 2 3 " * i}]}
+        for i in range(1, 8)
+    ]
+    replies.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "7 samples kept" in out and f"replies already regenerated in {replies}" in out, out
