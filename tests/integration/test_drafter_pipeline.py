@@ -106,18 +106,23 @@ def test_loss_decreases(reference):
     assert json.loads(Path(reference.metrics_path).read_text())["steps"] == STEPS
 
 
-def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
-    out = work["root"] / "killed"
-    job = work["root"] / "job.json"
-    spec = TrainJob(train=TrainConfig(**TRAIN), store=work["store"], report=work["report"], output_dir=str(out))
+def _train_process(work, cfg: TrainConfig, out: Path, **popen) -> subprocess.Popen:
+    """`python -m dflash_pipeline.drafter.train job.json` on the module's store, writing to `out`."""
+    job = out.parent / f"{out.name}.job.json"
+    spec = TrainJob(train=cfg, store=work["store"], report=work["report"], output_dir=str(out))
     job.write_text(spec.to_json())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "dflash_pipeline.drafter.train", str(job)],
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        **popen,
     )
+
+
+def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
+    out = work["root"] / "killed"
+    proc = _train_process(work, TrainConfig(**TRAIN), out)
     deadline = time.time() + 60
     while not (out / "checkpoints" / "step-00000005" / "DONE").exists():
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
@@ -147,18 +152,8 @@ def test_a_stop_to_the_process_group_saves_a_checkpoint_with_dataloader_workers(
     killed by signal") or stopped at once: no checkpoint, the steps since the last one lost."""
     from tests.proctree import descendants, wait_gone
 
-    job = tmp_path / "job.json"
     over = dict(TRAIN, num_workers=2, checkpoint_every=10_000, max_steps=10_000, epochs=1000)
-    spec = TrainJob(train=TrainConfig(**over), store=work["store"], report=work["report"], output_dir=str(tmp_path))
-    job.write_text(spec.to_json())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_pipeline.drafter.train", str(job)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group, as a shell gives a foreground job
-    )
+    proc = _train_process(work, TrainConfig(**over), tmp_path, start_new_session=True)  # a shell's foreground job
     deadline = time.time() + 60
     while len(children := descendants(proc.pid)) < 2:  # the loader's workers are up: training has started
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
