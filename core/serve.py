@@ -269,10 +269,13 @@ class LocalPrefect:
         raise PipelineError(f"no flow-run id in the output of `prefect deployment run`:\n{out}")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every group this started (worker first: its flow runs end before the server), SIGKILL
-        to any group still there after `grace_s`."""
+        """SIGTERM to every group this started (worker first: its flow runs end before the server), and SIGINT to
+        each leader (a Prefect worker that has run a flow ignores SIGTERM: measured, it held serve's stop for the
+        whole grace; Ctrl-C stops it at once); SIGKILL to any group still there after `grace_s`."""
         for p in reversed(self.procs):
             _signal_group(p.pid, signal.SIGTERM)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
         deadline = time.monotonic() + grace_s
         for p in reversed(self.procs):
             try:

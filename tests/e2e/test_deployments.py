@@ -21,7 +21,7 @@ import yaml
 
 from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
-from dflash_pipeline.serve import LocalPrefect, check_api
+from dflash_pipeline.serve import STOP_GRACE_S, LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from tests.proctree import descendants, wait_gone
 from tests.serving import LOAD_SERVER_ENV, SMALL, TINY_TRAINING, api, logs, serve, stop_serve
@@ -238,7 +238,10 @@ def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out,
         raise TimeoutError("training never started")
 
     api(server, training_started)
-    time.sleep(3)  # a few steps in
+    deadline = time.monotonic() + 120
+    while not any("train step" in log.message for log in _logs(server, run_id)):  # steps done: a checkpoint to save
+        assert time.monotonic() < deadline, "no training step logged"
+        time.sleep(0.5)
     run_procs = descendants(_worker_pid(server))
     assert run_procs, "the flow-run process is not a child of the worker"
     t0 = time.monotonic()
@@ -276,8 +279,10 @@ def test_sigterm_stops_serve_and_everything_it_started(server):
     server.serve_proc.send_signal(signal.SIGTERM)
     assert server.serve_proc.wait(timeout=60) == 0
     left = wait_gone(started, timeout=30)
-    print(f"serve: every process gone {time.monotonic() - t0:.1f} s after SIGTERM")
+    elapsed = time.monotonic() - t0
+    print(f"serve: every process gone {elapsed:.1f} s after SIGTERM")
     assert not left, left
+    assert elapsed < STOP_GRACE_S, "a process of serve needed the SIGKILL after the grace"
     # start-up without SQLite lock errors (under concurrent runs on a loaded 2-core machine the server can still
     # log some: SQLite answers a read-then-write conflict at once, busy_timeout or not; Prefect retries them)
     assert "database is locked" not in server.startup_logs
