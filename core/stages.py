@@ -14,21 +14,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.drafter.checkpoint import drafter_dir_lock
 from dflash_pipeline.drafter.evaluate import AcceptanceReport, evaluate_export
 from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
 from dflash_pipeline.errors import ConfigError, PipelineError
+from dflash_pipeline.extraction.devicelock import check_gpus_free, gpu_locks
 from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
 from dflash_pipeline.extraction.plan import assign_units, pin_token_budget, plan_extraction, store_dtype
 from dflash_pipeline.extraction.probe import ProbeReport
@@ -36,7 +36,6 @@ from dflash_pipeline.extraction.probe import probe as probe_target
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.extraction.tokenizer import load_tokenizer
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
-from dflash_pipeline.storage.commit import exclusive_lock
 from dflash_pipeline.storage.store import PlanResult, Store
 
 log = logging.getLogger(__name__)
@@ -91,24 +90,6 @@ def probe(cfg: RunConfig) -> ProbeReport:
     return probe_target(cfg.target, cfg.layers, cfg.extract, model, tokenizer)
 
 
-def using_gpus(devices: list[str], doing: str, setting: str):
-    """The GPUs among `devices` held for a stage run in this process (extraction workers hold their own): a run
-    that asks for one while another run's stage holds it fails at once, naming that run, instead of running out
-    of GPU memory half-way (or sizing its batches from what the other left free)."""
-    from dflash_pipeline.extraction.devicelock import gpu_locks
-
-    return gpu_locks(devices, doing, f"wait for that run, or give this run other GPUs ({setting})")
-
-
-def check_gpus_free(replicas: list[str]) -> None:
-    """Extraction's GPUs, taken and released at once: one that another run holds fails the run before its batch
-    plan is sized (from the memory that run left free) and pinned; the workers then hold them for real."""
-    from dflash_pipeline.extraction.placement import replica_devices
-
-    with using_gpus([d for r in replicas for d in replica_devices(r)], "checking its GPUs", "extract.devices"):
-        pass
-
-
 def _one_device(spec: str) -> list[str]:
     from dflash_pipeline.drafter.runtime import resolve_device
 
@@ -119,7 +100,7 @@ def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenPro
     """The dataset's assistant turns rewritten by the target, in this process or by an OpenAI-compatible server
     (regenerate.backend); resumable. Returns RegenerateResult."""
     here = _one_device(cfg.regenerate.device) if cfg.regenerate.backend == "transformers" else []
-    with using_gpus(here, f"regenerating {cfg.regenerated_path}", "regenerate.device"):
+    with gpu_locks(here, f"regenerating {cfg.regenerated_path}", "regenerate.device"):
         return regenerate_responses(
             resolve_source(cfg.data.source),
             cfg.regenerated_path,
@@ -201,7 +182,7 @@ def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, versi
     store = Store(cfg.store, cfg.store_options)
     model = None
     gpus = replica_devices(device) if cfg.validate_.recompute_samples else []
-    with using_gpus(gpus, f"validating store {cfg.store}", "extract.devices"):
+    with gpu_locks(gpus, f"validating store {cfg.store}", "extract.devices"):
         if cfg.validate_.recompute_samples:  # the forward extraction ran (extract.compile), on the same devices
             model, _, _ = load_compiled(report, device, cfg.extract.compile)
         result = validate_store(store, version, prepared, cfg.validate_, model=model, device=input_device(device))
@@ -228,7 +209,7 @@ def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> T
     world = _train_world(cfg)
     gpus = [f"cuda:{i}" for i in range(world)] if world > 1 else _one_device(cfg.train.device)
     with (
-        using_gpus(gpus, f"training {cfg.drafter_dir}", "CUDA_VISIBLE_DEVICES, train.device"),
+        gpu_locks(gpus, f"training {cfg.drafter_dir}", "CUDA_VISIBLE_DEVICES, train.device"),
         training(
             cfg.store,
             cfg.store_options,
@@ -314,29 +295,11 @@ def retain(cfg: RunConfig, version: str, export_dir: str | None):
     return rep
 
 
-@contextmanager
-def drafter_dir_lock(cfg: RunConfig) -> Iterator[None]:
-    """One run at a time in a drafter directory, across train, retain and evaluate: two runs would interleave
-    their checkpoints, and one's export would replace the other's while it is evaluated. A second run stops at
-    once with an error naming the directory and the run that holds it."""
-    out = cfg.drafter_dir
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(
-        out / ".lock",
-        f"pid {os.getpid()} on {socket.gethostname()}",
-        lambda holder: PipelineError(
-            f"drafter directory {out} is in use by another run ({holder}); wait for it to finish, "
-            "or give this run another train.output_dir"
-        ),
-    ):
-        yield
-
-
 def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
     """Acceptance length of the exported drafter on held-out prompts (and of an untrained one)."""
     if not export_dir or not Path(export_dir).exists():
         raise PipelineError(f"no exported drafter at {export_dir!r}: run the train stage first")
-    with using_gpus(_one_device(cfg.evaluate.device), f"evaluating {export_dir}", "evaluate.device"):
+    with gpu_locks(_one_device(cfg.evaluate.device), f"evaluating {export_dir}", "evaluate.device"):
         return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
 
 
@@ -505,7 +468,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
             summary.current = store.current()
         runner.extracted(summary)
     if stages & {"train", "evaluate"}:
-        with drafter_dir_lock(cfg):
+        with drafter_dir_lock(cfg.drafter_dir):
             if "train" in stages:
                 version = summary.current or store.current()
                 if version is None:

@@ -1,4 +1,5 @@
-"""Training checkpoints (resume) and the run's report files (loss curve PNG, metrics JSON).
+"""Training checkpoints (resume), the run's report files (loss curve PNG, metrics JSON), and the drafter
+directory's lock.
 
 A checkpoint is `<output_dir>/checkpoints/step-XXXXXXXX/` holding the drafter weights and the trainer
 state (optimizer, scheduler, step, RNG states, loss history, architecture). It is written to a temp
@@ -12,15 +13,36 @@ import json
 import os
 import random
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.errors import ConfigError, PipelineError
+from dflash_pipeline.storage.commit import exclusive_lock
 
 DONE = "DONE"
+
+
+@contextmanager
+def drafter_dir_lock(out: Path) -> Iterator[None]:
+    """One run at a time in a drafter directory, across train, retain and evaluate: two runs would interleave
+    their checkpoints, and one's export would replace the other's while it is evaluated. A second run stops at
+    once with an error naming the directory and the run that holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(
+        out / ".lock",
+        f"pid {os.getpid()} on {socket.gethostname()}",
+        lambda holder: PipelineError(
+            f"drafter directory {out} is in use by another run ({holder}); wait for it to finish, "
+            "or give this run another train.output_dir"
+        ),
+    ):
+        yield
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:

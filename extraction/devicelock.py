@@ -49,9 +49,10 @@ def _physical_here(device: str, position: int) -> str:
 
 
 @contextmanager
-def gpu_locks(devices: list[str], doing: str, fix: str, physical=_physical_here) -> Iterator[None]:
+def gpu_locks(devices: list[str], doing: str, setting: str, physical=_physical_here) -> Iterator[None]:
     """Hold every GPU in `devices` (CPU entries are skipped: CPU work may share the host) for `doing` (named to
-    whoever finds it held); a GPU already held is an error naming its holder and `fix`."""
+    whoever finds it held). A GPU another run holds is an error naming that run and `setting`, where this run's
+    GPUs are chosen: a run fails at once instead of running out of GPU memory half-way."""
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     with ExitStack() as stack:
         for position, d in enumerate(devices):
@@ -64,7 +65,10 @@ def gpu_locks(devices: list[str], doing: str, fix: str, physical=_physical_here)
                 exclusive_lock(
                     path,
                     f"pid {os.getpid()}, {doing}, since {since}",
-                    lambda h, d=d: PipelineError(f"{d} is in use by another dflash-pipeline run ({h}); {fix}"),
+                    lambda h, d=d: PipelineError(
+                        f"{d} is in use by another dflash-pipeline run ({h}); wait for that run, or give this run "
+                        f"other GPUs ({setting})"
+                    ),
                 )
             )
         yield
@@ -72,9 +76,11 @@ def gpu_locks(devices: list[str], doing: str, fix: str, physical=_physical_here)
 
 def device_lock(device: str, store: str):
     """An extraction worker's lock on every GPU of `device` (one, or a split replica's "cuda:0+cuda:1")."""
-    return gpu_locks(
-        replica_devices(device),
-        f"store {store}",
-        "choose other devices with extract.devices or wait for that run",
-        physical=_physical_in_worker,
-    )
+    return gpu_locks(replica_devices(device), f"store {store}", "extract.devices", physical=_physical_in_worker)
+
+
+def check_gpus_free(replicas: list[str]) -> None:
+    """Extraction's GPUs, taken and released at once in the run's process: one that another run holds fails the run
+    before its batch plan is sized (from the memory that run left free) and pinned; the workers then hold them."""
+    with gpu_locks([d for r in replicas for d in replica_devices(r)], "checking its GPUs", "extract.devices"):
+        pass

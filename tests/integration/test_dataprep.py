@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -338,42 +337,6 @@ def test_same_data_from_two_output_dirs_has_one_fingerprint(tmp_path, tokenizer)
     assert ra.fingerprint == rb.fingerprint and not rb.reused
     b.write_text(b.read_text().replace("2 + 2 = 4.", "2 + 2 = four."))
     assert prepare_dataset(DataConfig(), str(b), tokenizer, tmp_path / "c").fingerprint != ra.fingerprint
-
-
-def test_runs_preparing_the_same_dataset_at_once_take_turns(tmp_path, tokenizer):
-    """Two runs on one output_dir preparing the same data at once (seen in the PostgreSQL load test: the second
-    run's publish failed with 'Directory not empty'): the one that waits reuses what the other built."""
-    import fcntl
-    import threading
-
-    from dflash_pipeline.dataprep.prepare import fingerprint
-
-    rows = [{"messages": CONV[:2] + [{"role": "assistant", "content": f"{i}."}]} for i in range(200)]
-    src = str(_write_jsonl(tmp_path / "chat.jsonl", rows))
-    cfg, out = DataConfig(source=src), tmp_path / "prepared"
-    out.mkdir()
-    results, errors = [], []
-
-    def one_run():
-        try:
-            results.append(prepare_dataset(cfg, src, tokenizer, out))
-        except Exception as e:  # noqa: BLE001 - reported by the assert below
-            errors.append(e)
-
-    fp = fingerprint(cfg, src, tokenizer)
-    with open(out / f".{fp}.lock", "a") as held:  # a third run is mid-prepare: both must wait for it
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        runs = [threading.Thread(target=one_run) for _ in range(2)]
-        for t in runs:
-            t.start()
-        time.sleep(1.0)
-        assert all(t.is_alive() for t in runs) and not (out / fp).exists()
-    for t in runs:
-        t.join(60)
-    assert not errors, errors
-    assert sorted(r.reused for r in results) == [False, True]
-    assert results[0].fingerprint == results[1].fingerprint and results[0].n_samples == 200
-    assert len(load_prepared(results[0].path)) == 200
 
 
 # ---- messy files ----

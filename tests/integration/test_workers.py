@@ -30,7 +30,7 @@ def test_a_gpu_is_one_lock_whichever_stage_or_numbering_holds_it(tmp_path, monke
     GPUs 2,3 as cuda:0,1; an extraction worker given GPU 3 sees it as cuda:0."""
     import sys
 
-    from dflash_pipeline.stages import check_gpus_free, using_gpus
+    from dflash_pipeline.extraction.devicelock import check_gpus_free, gpu_locks
 
     monkeypatch.setenv("DFLASH_LOCK_DIR", str(tmp_path))
     hold = (
@@ -45,10 +45,10 @@ def test_a_gpu_is_one_lock_whichever_stage_or_numbering_holds_it(tmp_path, monke
     try:
         assert worker.stdout.readline().strip() == "held"
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-        with using_gpus(["cuda:0", "cpu"], "training /runs/a/drafter", "train.device"):
+        with gpu_locks(["cuda:0", "cpu"], "training /runs/a/drafter", "train.device"):
             pass  # GPU 2 is free
         with pytest.raises(PipelineError, match=r"cuda:1 is in use .*store /stores/nightly.*give this run other GPUs"):
-            with using_gpus(["cuda:1"], "training /runs/a/drafter", "train.device"):
+            with gpu_locks(["cuda:1"], "training /runs/a/drafter", "train.device"):
                 pass
         with pytest.raises(PipelineError, match=r"cuda:1 is in use .*\(extract.devices\)"):
             check_gpus_free(["cuda:0+cuda:1"])
@@ -57,7 +57,7 @@ def test_a_gpu_is_one_lock_whichever_stage_or_numbering_holds_it(tmp_path, monke
         worker.wait()
     check_gpus_free(["cuda:0+cuda:1"])  # free again once the holder is gone
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with using_gpus(["cuda"], "evaluating /runs/a/drafter/export", "evaluate.device"):  # "cuda" is cuda:0
+    with gpu_locks(["cuda"], "evaluating /runs/a/drafter/export", "evaluate.device"):  # "cuda" is cuda:0
         with pytest.raises(PipelineError, match=r"cuda:0 is in use .*evaluating /runs/a/drafter/export"):
             with device_lock("cuda:0", "/stores/nightly"):
                 pass
