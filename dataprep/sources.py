@@ -5,9 +5,12 @@ number) and 0-based otherwise. A line that is not JSON, or whose bytes do not de
 caller can quarantine it instead of aborting the whole run. A file that cannot be read at all (a corrupt Parquet
 footer, a .json file that is not JSON) raises one DataError naming the file and the position.
 
-Text encoding: a byte-order mark always wins (UTF-8, UTF-16, UTF-32); otherwise data.encoding, where 'auto' means
-UTF-8 unless no line of the file with non-ASCII bytes is valid UTF-8, in which case the file is in a legacy
-encoding and charset-normalizer names it.
+Text encoding: a byte-order mark always wins (UTF-8, UTF-16, UTF-32); otherwise data.encoding. 'auto' never
+guesses a legacy 8-bit code page (a guess reads Latin-1 "n°" as ISO-8859-14 "nḞ", silently): a file without a BOM
+is UTF-8. The rule for bytes that do not decode is the same under every setting: a line-oriented file whose other
+lines decode quarantines each undecodable line with its byte offset (damage inside a UTF-8 file). Under 'auto', a
+file with non-ASCII bytes none of whose non-ASCII lines is UTF-8 is not UTF-8 at all: it stops with one DataError
+naming the file, the first undecodable byte offset and `data.encoding=...` as the fix.
 """
 
 from __future__ import annotations
@@ -95,32 +98,29 @@ def resolve_encoding(path: str | Path, encoding: str = "auto") -> str:
             return codec
     if encoding != "auto":
         return encoding
-    dec = codecs.getincrementaldecoder("utf-8")("strict")
-    try:
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                dec.decode(block)
-            dec.decode(b"", final=True)
-        return "utf-8"
-    except UnicodeDecodeError:
-        pass
-    bad, good_non_ascii = [], 0
+    first_bad: tuple[int, int, bytes] | None = None  # (byte offset, line number, the bytes there)
+    offset = 0
     with open(p, "rb") as f:
-        for line in f:
+        for n, line in enumerate(f, start=1):
+            start, offset = offset, offset + len(line)
             if line.isascii():
                 continue
             try:
                 line.decode("utf-8")
-                good_non_ascii += 1
-            except UnicodeDecodeError:
-                if len(bad) < 2000:
-                    bad.append(line)
-    if good_non_ascii:  # a UTF-8 file with some broken lines: those lines are quarantined
-        return "utf-8"
-    from charset_normalizer import from_bytes
-
-    best = from_bytes(b"".join(bad)).best()
-    return best.encoding if best is not None else "cp1252"
+                return "utf-8"  # UTF-8 text: any other undecodable line is quarantined with its offset
+            except UnicodeDecodeError as e:
+                if first_bad is None:
+                    first_bad = (start + e.start, n, line[e.start : e.start + 4])
+    if first_bad is None:
+        return "utf-8"  # pure ASCII
+    at, n, raw = first_bad
+    raise DataError(
+        f"data.source {p} is not UTF-8 and has no byte-order mark: bytes {raw!r} at byte offset {at} (line {n}) "
+        "do not decode, and no line with non-ASCII bytes is valid UTF-8. data.encoding=auto reads only UTF-8 "
+        "(with or without BOM) and UTF-16/32 with a BOM; it does not guess a legacy code page. Set the file's "
+        "encoding, e.g. data.encoding=latin-1 or data.encoding=cp1252 (Western European), or convert the file "
+        "to UTF-8 (iconv -f LATIN1 -t UTF-8)"
+    )
 
 
 def iter_rows(source: str, split: str = "train", encoding: str = "auto") -> Iterator[tuple[int, Any | BadLine]]:

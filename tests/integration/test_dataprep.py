@@ -342,15 +342,23 @@ def test_same_data_from_two_output_dirs_has_one_fingerprint(tmp_path, tokenizer)
 # ---- messy files ----
 
 
-def test_latin1_json_is_detected_and_read(tmp_path, tokenizer):
-    rows = [{"messages": [{"role": "user", "content": "Café?"}, {"role": "assistant", "content": "Très bon café."}]}]
-    src = tmp_path / "latin.json"
-    src.write_bytes(json.dumps(rows, ensure_ascii=False).encode("latin-1"))
-    res = prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "o")
-    assert res.n_samples == 1 and res.encoding not in ("", "utf-8")
-    assert "Très bon café." in tokenizer.decode(load_prepared(res.path)[0]["input_ids"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_latin1_stops_under_auto_and_decodes_with_its_encoding(tmp_path, tokenizer, suffix):
+    """Issue 27: auto read a Latin-1 file as ISO-8859-14 ("n°" became "nḞ", exit 0); it never guesses a code page."""
+    turns = [{"role": "user", "content": "Room n° 5?"}, {"role": "assistant", "content": "Très bon, n° 5."}]
+    rows = [{"messages": turns}]
+    body = json.dumps(rows[0] if suffix == ".jsonl" else rows, ensure_ascii=False).encode("latin-1")
+    src = tmp_path / f"latin{suffix}"
+    src.write_bytes(b'{"messages": [{"role": "user", "content": "ascii"}]}\n' * (suffix == ".jsonl") + body)
+    offset = src.read_bytes().index(b"\xb0")
+    with pytest.raises(DataError) as e:
+        prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "o")
+    msg = str(e.value)
+    assert str(src) in msg and f"byte offset {offset} " in msg and "data.encoding=latin-1" in msg
     res = prepare_dataset(DataConfig(encoding="latin-1"), str(src), tokenizer, tmp_path / "o2")
     assert res.encoding == "latin-1" and res.n_samples == 1
+    text = tokenizer.decode(load_prepared(res.path)[0]["input_ids"])
+    assert "Room n° 5?" in text and "Très bon, n° 5." in text and "Ḟ" not in text
 
 
 def test_bom_is_accepted_and_bad_bytes_are_quarantined_with_offsets(tmp_path, tokenizer):
