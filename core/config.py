@@ -438,23 +438,80 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    items = list(overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or []))
+    origin = "overrides" if isinstance(overrides, dict) else "--set"
     for key, value in items:
         _set_dotted(tree, key, value)
-    return validate_tree(tree)
+    where = {key: origin for key, _ in items}
+    return validate_tree(tree, where, default_origin=f"in {path}" if path is not None else "")
 
 
-def validate_tree(tree: dict[str, Any]) -> RunConfig:
+def _section_at(loc: tuple) -> tuple[type[BaseModel] | None, list[str]]:
+    """The config section a pydantic error location points into, and the dotted names of the fields walked."""
+    model: type[BaseModel] | None = RunConfig
+    names: list[str] = []
+    for part in loc:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()} if model else {}
+        if part not in fields:
+            break
+        names.append(str(part))
+        sub = fields[part].annotation
+        model = sub if isinstance(sub, type) and issubclass(sub, BaseModel) else None
+    return model, names
+
+
+def _all_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    out = []
+    for n, f in model.model_fields.items():
+        key = prefix + (f.alias or n)
+        out.append(key)
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out += _all_keys(f.annotation, key + ".")
+    return out
+
+
+def did_you_mean(dotted: str) -> str:
+    """' did you mean <closest key>?' for an unknown dotted key, or '' when nothing is close."""
+    import difflib
+
+    parts = dotted.split(".")
+    model, names = _section_at(tuple(parts[:-1]))
+    if model is not None and len(names) == len(parts) - 1:  # the section exists: the closest key in it
+        keys = [f.alias or n for n, f in model.model_fields.items()]
+        close = difflib.get_close_matches(parts[-1], keys, n=1, cutoff=0.6)
+        if close:
+            return f" did you mean {'.'.join([*names, close[0]])}?"
+    every = _all_keys()
+    same_name = [k for k in every if k.rsplit(".", 1)[-1] == parts[-1]]  # the right key in another section
+    close = same_name[:1] or difflib.get_close_matches(dotted, every, n=1, cutoff=0.6)
+    return f" did you mean {close[0]}?" if close else ""
+
+
+def validate_tree(tree: dict[str, Any], where: dict[str, str] | None = None, default_origin: str = "") -> RunConfig:
+    """Validate a config tree; every problem on one line. `where` maps dotted override keys to where they came
+    from ('--set', 'overrides'); other keys come from `default_origin` ('in <config file>')."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        lines = []
+        problems: dict[str, list[str]] = {}
+        shown_value: dict[str, str] = {}
         for err in e.errors():
-            field = ".".join(str(x) for x in err["loc"]) or "<root>"
+            _, names = _section_at(err["loc"])
+            if err["type"] == "extra_forbidden":
+                dotted = ".".join(str(x) for x in err["loc"])
+                given = [k for k in where or {} if k == dotted or k.startswith(dotted + ".")]  # --set dat.source=
+                dotted = given[0] if given else dotted
+                origin = f" ({where[dotted]})" if given else f" ({default_origin})" if default_origin else ""
+                hint = did_you_mean(dotted) or " no such setting (every setting: dflash-pipeline show-config)"
+                problems[dotted] = [f"unknown key{origin};{hint}"]
+                continue
+            field = ".".join(names) or ".".join(str(x) for x in err["loc"]) or "<root>"
+            problems.setdefault(field, []).append(err["msg"])
             value = err.get("input")
-            shown = "" if isinstance(value, dict) else f" (got {value!r})"
-            lines.append(f"  {field}: {err['msg']}{shown}")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+            if not isinstance(value, dict):
+                shown_value[field] = f" (got {value!r})"
+        lines = [f"{f}: {' or '.join(dict.fromkeys(m))}{shown_value.get(f, '')}" for f, m in problems.items()]
+        raise ConfigError("invalid configuration: " + "; ".join(lines)) from None
 
 
 def defaults_yaml() -> str:

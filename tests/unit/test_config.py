@@ -35,3 +35,39 @@ def test_committed_defaults_file_is_current():
         "regenerate it: dflash-pipeline show-config > configs/default.yaml"
     )
     assert load_config(ROOT / "configs" / "default.yaml") == load_config()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data.max_sample=3"], "data.max_sample: unknown key (--set); did you mean data.max_samples?"),
+        (["dat.source=x.jsonl"], "dat.source: unknown key (--set); did you mean data.source?"),
+        (["max_samples=3"], "did you mean data.max_samples?"),  # the right key in another section
+        (["validate.sed=1"], "did you mean validate.seed?"),  # a section under its alias
+        ({"layers.num_draft_layer": 3}, "(overrides); did you mean layers.num_draft_layers?"),  # the flow's
+        (["data.zzzzqq=1"], "no such setting (every setting: dflash-pipeline show-config)"),
+    ],
+)
+def test_unknown_keys_say_did_you_mean_on_one_line(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert expected in str(e.value) and "\n" not in str(e.value) and "Extra inputs" not in str(e.value)
+
+
+def test_a_yaml_typo_names_the_file_and_the_closest_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  sorce: x.jsonl\ntrain:\n  epoch: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert f"data.sorce: unknown key (in {f}); did you mean data.source?" in msg, msg
+    assert "train.epoch: unknown key" in msg and "did you mean train.epochs?" in msg and "\n" not in msg
+
+
+def test_several_errors_of_one_field_are_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["extract.token_budget=-3"])
+    assert str(e.value) == (
+        "invalid configuration: extract.token_budget: Input should be greater than or equal to 16 or "
+        "Input should be 'auto' (got -3)"
+    )
