@@ -50,7 +50,7 @@ def preflight(cfg: RunConfig) -> None:
         mc = read_model_config(_local(cfg.target.model_path))  # names target.model_path and the fix
         text = mc.get("text_config") or mc
         if "num_hidden_layers" in text:
-            select_layer_ids(cfg.layers, int(text["num_hidden_layers"]))  # names layers.ids and the range
+            select_layer_ids(cfg.layers, int(text["num_hidden_layers"]), announce=False)  # the probe logs
     tok = cfg.target.tokenizer_path and _local(cfg.target.tokenizer_path)
     if tok and cfg.target.tokenizer_path != "embedded" and not os.path.isdir(tok):
         raise ConfigError(

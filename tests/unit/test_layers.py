@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_pipeline.config import LayersConfig
+from dflash_pipeline.config import LayersConfig, load_config
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.layers import dflash_layer_ids, eagle3_layer_ids, select_layer_ids
 from dflash_pipeline.extraction.probe import resolve_devices
@@ -29,8 +29,37 @@ def test_eagle3_and_explicit_layers():
     assert select_layer_ids(LayersConfig(preset="explicit", ids=[0, 7]), 8) == [0, 7]
     with pytest.raises(ConfigError, match=r"\[8\] out of range.*valid ids are 0..7"):
         select_layer_ids(LayersConfig(preset="explicit", ids=[1, 8]), 8)
-    with pytest.raises(ConfigError, match="duplicates"):
+    with pytest.raises(ConfigError, match=r"name a layer more than once: give each once, e.g. layers.ids=\[1\]"):
         select_layer_ids(LayersConfig(preset="explicit", ids=[1, 1]), 8)
+
+
+def test_the_default_dflash_preset_adapts_to_a_small_target_and_says_so(caplog):
+    """A 6-layer target has 3 distinct layers in the preset's range 1..L-3: before, the default 5 gave
+    'layer ids [1, 2, 2, 2, 3] contain duplicates (from preset 'dflash')'."""
+    with caplog.at_level("WARNING", logger="dflash_pipeline.extraction.layers"):
+        assert select_layer_ids(load_config().layers, 6) == [1, 2, 3]
+    assert "6 decoder layers: the dflash preset captures 3 layers [1, 2, 3], not the default 5" in caplog.text
+    caplog.clear()
+    assert select_layer_ids(load_config().layers, 6, announce=False) == [1, 2, 3] and not caplog.text
+    assert [select_layer_ids(load_config().layers, n, announce=False) for n in (1, 4, 5, 8)] == [
+        [0],
+        [2],
+        [1, 2],
+        [1, 2, 3, 4, 5],
+    ]
+
+
+def test_a_layer_count_the_user_set_is_never_changed_the_error_names_the_fix():
+    layers = load_config(None, ["layers.num_draft_layers=5"]).layers
+    with pytest.raises(ConfigError) as e:
+        select_layer_ids(layers, 6)
+    assert "layers.num_draft_layers=5" in str(e.value) and "Set layers.num_draft_layers=3" in str(e.value)
+    assert "layers.preset=explicit layers.ids=[0,1,2,4,5]" in str(e.value)
+    with pytest.raises(
+        ConfigError, match=r"eagle3 needs a target with at least 7.*this one has 6.*layers.ids=\[0,2,5\]"
+    ):
+        select_layer_ids(LayersConfig(preset="eagle3"), 6)
+    assert select_layer_ids(LayersConfig(preset="eagle3"), 7) == [1, 2, 3]
 
 
 def test_unknown_gpu_is_a_clear_error():
