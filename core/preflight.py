@@ -1,16 +1,19 @@
-"""Checks that take milliseconds, made by the CLI before Prefect and its temporary server start (which takes
-10-40 s on a loaded machine): a wrong model path, a bad layer id or an unwritable output directory is reported
-at once, before any dataset preparation. The probe stage checks the same things again, completely, in the flow
-(deployments do not go through the CLI)."""
+"""Checks that need no model forward, made by the CLI before Prefect and its temporary server start (which takes
+10-40 s on a loaded machine): a wrong model path, a model directory without tokenizer files or chat template, a
+bad layer id, an unwritable output directory, a missing or unreadable data file and rows that are no
+conversations are reported at once, before any dataset preparation. The data is read with the run's own code
+(dataprep/sources.py, dataprep/normalize.py), its first rows only. The stages check the same things again,
+completely, in the flow (deployments do not go through the CLI)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.errors import ConfigError, StoreError
+from dflash_pipeline.errors import CompatError, ConfigError, DataError, StoreError
 
 
 def _writable_dir(path: str, field: str) -> None:
@@ -56,4 +59,90 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError(
             f"target.tokenizer_path {tok} is not a directory; give a local tokenizer directory "
             "(tokenizer.json / tokenizer_config.json), or leave it unset to use the model's"
+        )
+    if tok and cfg.target.tokenizer_path != "embedded":
+        _check_tokenizer_dir(tok, "target.tokenizer_path", cfg.target.trust_remote_code)
+    elif not tok and cfg.target.model_path != "embedded":
+        _check_tokenizer_dir(_local(cfg.target.model_path), "target.model_path", cfg.target.trust_remote_code)
+    _check_data(cfg)
+
+
+# What AutoTokenizer loads a vocabulary from (fast: tokenizer.json; slow: sentencepiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt")
+# Where transformers finds a chat template: tokenizer_config.json's chat_template, or a file beside it.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def _check_tokenizer_dir(path: str, field: str, trust_remote_code: bool) -> None:
+    """Without these files transformers still builds some tokenizer and the run failed later with 'has no
+    chat_template'; name what is missing and the setting that fixes it."""
+    d = Path(path)
+    names = {f.name for f in d.iterdir()}
+    config = d / "tokenizer_config.json"
+    vocab = [n for n in names if n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model"))]
+    if not vocab and not trust_remote_code:
+        fix = (
+            "set target.tokenizer_path to the directory that has them (e.g. the original checkpoint's)"
+            if field == "target.model_path"
+            else "give target.tokenizer_path a directory that has them, or leave it unset to use the model's"
+        )
+        raise CompatError(
+            f"{field} {d} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}"
+            f"{', tokenizer_config.json' if 'tokenizer_config.json' not in names else ''}): {fix}"
+        )
+    if trust_remote_code or names & set(CHAT_TEMPLATE_FILES) or (d / "additional_chat_templates").is_dir():
+        return
+    try:
+        has_template = bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        return  # transformers says what is wrong with it
+    if not has_template:
+        raise CompatError(
+            f"the tokenizer in {d} has no chat template (no chat_template in tokenizer_config.json, no "
+            f"{' or '.join(CHAT_TEMPLATE_FILES)}): it is a base model's; set target.tokenizer_path to the chat "
+            "(instruct) model's tokenizer directory"
+        )
+
+
+PEEK_ROWS = 100  # rows of the data source read before the run: one usable conversation among them is enough
+
+
+def _check_data(cfg: RunConfig) -> None:
+    """The data source exists, has a supported format, and its first rows hold a usable conversation (read
+    with the run's code: the first PEEK_ROWS rows only)."""
+    from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation
+    from dflash_pipeline.dataprep.sources import LINE_SUFFIXES, BadLine, peek_rows
+
+    source = cfg.data.source
+    if source == "embedded":
+        return
+    if os.path.exists(_local(source)) or source.startswith((".", "/", "~", "$")):
+        source = _local(source)  # as stages.resolve_paths makes it
+    try:
+        rows = peek_rows(source, cfg.data.split, cfg.data.encoding, PEEK_ROWS)
+    except DataError as e:  # some of its messages name the file only
+        raise e if str(e).startswith("data.") else DataError(f"data.source {e}") from None
+    if rows is None:  # a hub dataset, a large .json: the prepare stage reads it
+        return
+    if not rows:
+        raise DataError(f"data.source {source} holds no rows: give a file with conversations in it")
+    where = "line" if Path(source).suffix.lower() in LINE_SUFFIXES else "row"
+    first = None
+    for row_no, row in rows:
+        if isinstance(row, BadLine):
+            if row.kind == "undecodable bytes":  # may be another encoding, which the run detects
+                continue
+            reason = row.error
+        else:
+            try:
+                normalize_conversation(row, cfg.data.format, cfg.data.reasoning)
+                return  # a usable row: the run starts
+            except RowError as e:
+                reason = e.reason
+        first = first or (row_no, reason)
+    if first is not None:
+        raise DataError(
+            f"data.source {source}: none of its first {len(rows)} rows is a usable conversation ({where} {first[0]}: "
+            f"{first[1]}); a row is a chat, e.g. "
+            '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
         )

@@ -294,3 +294,26 @@ def _dataset(ds, name: str) -> Iterator[tuple[int, Any]]:
         keys = list(rows)
         for i in range(len(rows[keys[0]]) if keys else 0):
             yield start + i, {k: rows[k][i] for k in keys}
+
+
+PEEK_WHOLE_BYTES = 64 * 2**20  # a text source up to this size is peeked at exactly as a run reads it
+
+
+def peek_rows(source: str, split: str = "train", encoding: str = "auto", n: int = 100) -> list | None:
+    """The first `n` rows of a local source as `iter_rows` gives them, reading only what they need (the CLI's
+    check before a run starts); its errors are iter_rows' (a missing path, an unsupported suffix, a .json file
+    that is not a list). None where a peek would cost what a run does: a hub dataset name (loaded by the run),
+    a .json file over PEEK_WHOLE_BYTES (parsed whole). A larger .jsonl is read as UTF-8 unless a byte-order mark
+    or data.encoding says otherwise (detecting a legacy encoding reads the whole file), so its undecodable lines
+    here may decode in the run."""
+    import itertools
+
+    p = Path(source)
+    if not p.exists():
+        _check_not_missing_path(source)
+        return None
+    if p.is_file() and p.suffix.lower() in (*LINE_SUFFIXES, ".json") and p.stat().st_size > PEEK_WHOLE_BYTES:
+        if p.suffix.lower() == ".json":
+            return None
+        encoding = "utf-8" if encoding == "auto" else encoding
+    return list(itertools.islice(iter_rows(source, split, encoding), n))

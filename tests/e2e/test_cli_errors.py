@@ -73,6 +73,83 @@ def test_early_errors_in_seconds_before_any_preparation(case, model_dir, tmp_pat
     assert not (out / "prepared").exists()  # no dataset preparation happened
 
 
+def _model_without_weights(d: Path, model_dir: str, layers: int | None = None, tokenizer: bool = True) -> Path:
+    """A checkpoint directory as the pre-flight checks see it: config.json and (links to) the tokenizer files."""
+    d.mkdir()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **({"num_hidden_layers": layers} if layers else {})}))
+    for f in Path(model_dir).iterdir():
+        if tokenizer and (f.name.startswith("tokenizer") or f.name.startswith("chat_template")):
+            (d / f.name).symlink_to(f)
+    return d
+
+
+# A user mistake found without a model forward: one line naming the thing and the fix, before any Prefect server
+# starts (before, data mistakes came after 80-106 s, three times each; the model ones with a misleading message).
+CASES = {
+    "missing data file": (lambda t, m: [f"data.source={t}/no-such.jsonl"], "data.source", "does not exist"),
+    "csv data file": (
+        lambda t, m: [f"data.source={_write(t / 'data.csv', 'a,b')}"],
+        "unsupported suffix '.csv'",
+        "use .jsonl, .json",
+    ),
+    "json object, not a list": (
+        lambda t, m: ["data.source=" + str(_write(t / "d.json", json.dumps({"messages": []})))],
+        "data.source",
+        "holds a dict; a .json source must hold a list of rows",
+    ),
+    "rows that are no conversations": (
+        lambda t, m: ["data.source=" + str(_write(t / "d.jsonl", json.dumps({"text": "hi"})))],
+        "none of its first 1 rows is a usable conversation (line 1",
+        '{"messages": [{"role": "user"',
+    ),
+    "model without tokenizer files": (
+        lambda t, m: [f"target.model_path={_model_without_weights(t / 'm', m, tokenizer=False)}"],
+        "has no tokenizer files",
+        "set target.tokenizer_path",
+    ),
+    "base model tokenizer": (
+        lambda t, m: [f"target.tokenizer_path={_base_tokenizer(t / 'tok', m)}"],
+        "has no chat template",
+        "set target.tokenizer_path to the chat (instruct) model's",
+    ),
+    "6-layer model, 5 layers asked": (
+        lambda t, m: [f"target.model_path={_model_without_weights(t / 'm', m, layers=6)}", "layers.num_draft_layers=5"],
+        "this target's 6 decoder layers",
+        "Set layers.num_draft_layers=3, or name the layers: layers.preset=explicit layers.ids=[0,1,2,4,5]",
+    ),
+    "key typo": (lambda t, m: ["data.max_sample=3"], "data.max_sample: unknown key", "did you mean data.max_samples?"),
+}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
+    return path
+
+
+def _base_tokenizer(d: Path, model_dir: str) -> Path:
+    d.mkdir()
+    (d / "tokenizer.json").symlink_to(Path(model_dir) / "tokenizer.json")
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistakes_found_without_a_model_forward_are_one_line_in_seconds(case, model_dir, tmp_path):
+    sets, *expect = CASES[case]
+    out = tmp_path / "out"
+    res, seconds = _run(tmp_path, f"output_dir={out}", *sets(tmp_path, model_dir))
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-2000:]
+    assert all(e in lines[0] for e in expect), lines[0]
+    assert "Traceback" not in res.stderr and "prefect" not in res.stderr.lower() and not res.stdout
+    assert seconds < 10, f"{case}: {seconds:.1f} s (idle: under 1 s)"  # generous: the machine is shared
+    assert not (out / "prepared").exists()
+
+
 def test_unwritable_output_dir_as_any_user(tmp_path):
     """As root (CI containers) permissions do not stop writes; a path under a file does, for everyone."""
     blocker = tmp_path / "a-file"
