@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,11 +25,12 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
 from dflash_pipeline.drafter.checkpoint import drafter_dir_lock
 from dflash_pipeline.drafter.evaluate import AcceptanceReport, evaluate_export
+from dflash_pipeline.drafter.regen_output import reading_regenerated
 from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.errors import ConfigError, PipelineError
+from dflash_pipeline.errors import ConfigError, PipelineError, StoreError
 from dflash_pipeline.extraction.devicelock import check_gpus_free, gpu_locks
 from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
 from dflash_pipeline.extraction.plan import assign_units, pin_token_budget, plan_extraction, store_dtype
@@ -36,6 +39,7 @@ from dflash_pipeline.extraction.probe import probe as probe_target
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.extraction.tokenizer import load_tokenizer
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
+from dflash_pipeline.storage.location import is_resource_error
 from dflash_pipeline.storage.store import PlanResult, Store
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,26 @@ def target_paths(cfg: RunConfig) -> tuple[str, str]:
     return model, resolve_model(cfg.target.tokenizer_path) if cfg.target.tokenizer_path else model
 
 
+@contextmanager
+def writing_output(output_dir: str | Path, writing: str | Path | None = None) -> Iterator[None]:
+    """A full, over-quota or read-only filesystem under output_dir is one error naming the file and the fix (an
+    output_dir on a full disk was 106 lines of `OSError: [Errno 28]` traceback from writing probe.json)."""
+    try:
+        yield
+    except OSError as e:
+        if not is_resource_error(e):
+            raise
+        path = e.filename or writing or output_dir  # a failed write() names no file: the caller says which
+        try:
+            free = f"{shutil.disk_usage(output_dir).free / 2**20:.1f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        raise StoreError(
+            f"cannot write {path} ({e.strerror or e}; {free}): free space on that filesystem, or choose another "
+            "output_dir (--set output_dir=DIR); a rerun reuses what was finished"
+        ) from None
+
+
 # ---- the stages -------------------------------------------------------------------------------------------
 def probe(cfg: RunConfig) -> ProbeReport:
     """What the libraries and the target can do and how to load it; checks model, tokenizer and layer ids
@@ -122,7 +146,9 @@ def prepare(cfg: RunConfig, report: ProbeReport, progress: Callable[[int, float]
     """Token ids and assistant loss masks (reused when the same preparation exists)."""
     tokenizer = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     out = Path(cfg.output_dir) / "prepared"
-    return prepare_dataset(cfg.data, resolve_source(cfg.data.source), tokenizer, out, progress=progress)
+    source = resolve_source(cfg.data.source)
+    with writing_output(cfg.output_dir, out), reading_regenerated(source):  # never a half-appended regenerated file
+        return prepare_dataset(cfg.data, source, tokenizer, out, progress=progress)
 
 
 def plan(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult:
@@ -156,6 +182,7 @@ def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices:
             store_dtype=store_dtype(cfg, report),
             device=device,
             threads=threads if device.startswith("cpu") else None,
+            spec_dir=str(Path(cfg.output_dir) / "workers"),
         )
         for device, units in assign_units(plan.pending_units, devices).items()
     ]
@@ -411,16 +438,18 @@ class LocalRunner:
         pass
 
 
-def run_pipeline(cfg: RunConfig, runner: Runner) -> RunSummary:
+def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = None) -> RunSummary:
     """Run the configured stages in the pipeline's order. Every stage resumes from its own durable record, so
-    a rerun after a crash (or on a finished store) redoes no finished work."""
+    a rerun after a crash (or on a finished store) redoes no finished work. A given `summary` is filled in place:
+    when a stage raises, the caller still knows what was done (the flow publishes it)."""
     cfg = resolve_paths(cfg)
     stages = set(cfg.stages)
     if not stages:
         raise ConfigError(
             "stages is empty: name at least one of regenerate, prepare, extract, validate, train, evaluate"
         )
-    summary = RunSummary(output_dir=cfg.output_dir, store=cfg.store)
+    summary = summary or RunSummary(output_dir=cfg.output_dir, store=cfg.store)
+    summary.output_dir, summary.store = cfg.output_dir, cfg.store
     store = Store(cfg.store, cfg.store_options)
     if stages & {"extract", "validate"}:  # an unwritable or unreachable store fails now, before any work
         store.check_writable()

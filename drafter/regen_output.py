@@ -9,7 +9,10 @@ Files, for an output path `X.jsonl`:
   "failed" (the server refused that conversation, e.g. a prompt over the context length).
 - `X.run.json`: who wrote the lines: backend, server, model and every setting that changes a reply. A rerun with
   other values refuses to mix them (RegenerateMismatch names each difference).
-- `X.lock`: held (flock) by the one process writing the output; a second one stops with an error.
+- `X.lock`: held (flock) by the one process writing the output; a second one stops with an error. The prepare
+  stage reads X.jsonl holding a shared flock on it (`reading_regenerated`): it waits for a writer to finish, and
+  a writer waits for its readers, so no run prepares (and fingerprints) a file another run is appending to.
+- `X.writer.lock`: held by the writer alone, so that a second writer is refused at once while readers only wait.
 
 Commit protocol: a conversation is finished when its line (ending in a newline) is in one of the two files; lines
 are appended and flushed one conversation at a time (a killed process loses at most the conversations in flight)
@@ -27,6 +30,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +223,24 @@ def length_stats(tokens: list[int]) -> dict[str, float]:
     }
 
 
+@contextmanager
+def reading_regenerated(path: str | Path) -> Iterator[None]:
+    """Hold a shared flock on a regenerated file's `X.lock` while it is read (the prepare stage): a run appending
+    to it finishes first, and waits for its readers (see the module doc). Any other source: nothing to hold."""
+    p = Path(path)
+    lock = p.with_name(p.stem + ".lock")
+    if p.suffix != ".jsonl" or not lock.exists():
+        yield
+        return
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for the run regenerating into %s to finish before preparing it", p)
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        yield  # closing the file releases the lock
+
+
 class RegenOutput:
     """The output files of one regeneration (see the module doc). Single writer: the stage's own process."""
 
@@ -227,14 +249,20 @@ class RegenOutput:
         self.rejected_path = self.path.with_name(self.path.stem + ".rejected.jsonl")
         self.record_path = self.path.with_name(self.path.stem + ".run.json")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path.with_name(self.path.stem + ".lock"), "a")
+        self._writer = open(self.path.with_name(self.path.stem + ".writer.lock"), "a")
         try:  # one writer: a second run on the same output (a stray retry, two deployments) would interleave lines
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._writer.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._lock.close()
+            self._writer.close()
             raise RegenerateError(
                 f"another process is regenerating into {self.path} right now; wait for it to finish or stop it"
             ) from None
+        self._lock = open(self.path.with_name(self.path.stem + ".lock"), "a")
+        try:  # readers (a run preparing the file) finish first: they must not see lines appended half-way
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for the run preparing a dataset from %s to finish reading it", self.path)
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX)
         try:
             self._check_settings(settings, server or {})
             self.earlier = Tally()
@@ -253,6 +281,7 @@ class RegenOutput:
                 )
         except BaseException:
             self._lock.close()
+            self._writer.close()
             raise
         self.now = Tally()
         self._files = {"kept": open(self.path, "a", encoding="utf-8"), "rejected": None}
@@ -329,7 +358,8 @@ class RegenOutput:
         for f in self._files.values():
             if f is not None:
                 f.close()
-        self._lock.close()  # releases the lock
+        self._lock.close()  # releases the locks
+        self._writer.close()
 
 
 class ProgressMeter:

@@ -17,9 +17,11 @@ each worker notices on its own (worker_main.watch_parent) and exits; its GPU loc
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,12 +31,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.extraction.extract import Progress, WorkerResult
 from dflash_pipeline.extraction.placement import replica_devices
 from dflash_pipeline.extraction.spec import WorkerSpec
+from dflash_pipeline.storage.commit import write_atomic
 
 PREFIX = "@@dflash "
 PARENT_ENV = "DFLASH_WORKER_PARENT"  # the pid the worker watches (worker_main.watch_parent)
@@ -113,6 +117,34 @@ def child_env(device: str) -> tuple[dict[str, str], str]:
     return env, "cpu"
 
 
+def spec_file(spec: WorkerSpec) -> Path:
+    """`<spec_dir>/<store>-<version>-<device>.json`. One run at a time holds a store (its lock), so the name is
+    this worker's alone while it runs, and the next run's worker of the same store and device replaces a file a
+    SIGKILL left behind."""
+    store = hashlib.sha256(spec.store_root.encode()).hexdigest()[:12]
+    device = re.sub(r"[^A-Za-z0-9.+-]", "_", spec.name)
+    return Path(spec.spec_dir) / f"spec-{store}-{spec.version}-{device}.json"
+
+
+def write_spec(spec: WorkerSpec) -> str:
+    """The spec as the worker reads it (it removes the file once read). Under spec_dir (the run's output_dir),
+    never TMPDIR: a SIGKILL of the run before the worker read its spec left a file there that nothing removed."""
+    if not spec.spec_dir:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            f.write(spec.to_json())
+            return f.name
+    path = spec_file(spec)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, spec.to_json().encode())
+    except OSError as e:
+        raise PipelineError(
+            f"cannot write the extraction worker's spec {path} ({e.strerror or e}): free space on that "
+            "filesystem or fix its permissions, or choose another output_dir (--set output_dir=DIR)"
+        ) from None
+    return str(path)
+
+
 def run_in_process(
     spec: WorkerSpec, progress: Callable[[Progress], None] | None = None, timeout_s: float | None = None
 ) -> WorkerResult:
@@ -122,9 +154,7 @@ def run_in_process(
         raise WorkerStopped(f"extraction worker on {device} not started: the run is being stopped")
     env, local_device = child_env(device)
     env[PARENT_ENV] = str(os.getpid())
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(replace(spec, device=local_device, label=device).to_json())
-        spec_path = f.name
+    spec_path = write_spec(replace(spec, device=local_device, label=device))
     tail: deque[str] = deque(maxlen=40)
     outcome: dict[str, Any] = {}
     proc = subprocess.Popen(

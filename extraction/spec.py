@@ -26,6 +26,10 @@ class WorkerSpec(Handoff):
     label: str = ""  # the device as the parent named it (logs, GPU lock); defaults to `device`
     threads: int | None = None  # torch CPU threads of a CPU worker
     writers: int | None = None  # overrides the default number of shard writers (benchmarks compare)
+    # Where the parent writes this spec for its worker process (`<output_dir>/workers`): a SIGKILL of the run before
+    # the worker read it leaves the file there, where the next run's worker of the same store and device replaces
+    # it, not in TMPDIR. "" (library use): the system's temporary directory.
+    spec_dir: str = ""
 
     @property
     def name(self) -> str:

@@ -39,7 +39,7 @@ from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.runguard import raise_if_stopped, stops_remembered
 from dflash_pipeline.stages import RunSummary
 from dflash_pipeline.storage.store import PlanResult
-from dflash_pipeline.tasks.common import artifact_key, run_logger
+from dflash_pipeline.tasks.common import artifact_key, artifacts_of_store, run_logger
 from dflash_pipeline.tasks.drafter import evaluate_task, regenerate_task, train_task
 from dflash_pipeline.tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
 from dflash_pipeline.tasks.preflight import estimate_task
@@ -98,12 +98,19 @@ def _run_name() -> str:
     from prefect.runtime import deployment, flow_run
 
     params = flow_run.parameters
-    merged = {**(params.get("preset") or {}), **(params.get("overrides") or {})}
-    model = str(merged.get("target.model_path", "embedded")).rstrip("/").split("/")[-1]
-    data = str(merged.get("data.source", "embedded")).rstrip("/").split("/")[-1]
-    digest = config_digest(params.get("config_path"), params.get("preset"), params.get("overrides"))
+    config_path, preset, overrides = params.get("config_path"), params.get("preset"), params.get("overrides")
+    merged = {**(preset or {}), **(overrides or {})}
+    try:  # the loaded config: a user's own YAML names model and data there, not in the overrides
+        cfg = load_config(config_path, merged)
+        model_path, source = cfg.target.model_path, cfg.data.source
+    except Exception:  # noqa: BLE001 - the flow itself reports a bad config; a name must never fail
+        model_path, source = merged.get("target.model_path", "?"), merged.get("data.source", "?")
+    model = str(model_path).rstrip("/").split("/")[-1]
+    data = str(source).rstrip("/").split("/")[-1]
+    digest = config_digest(config_path, preset, overrides)
+    config = f"{Path(str(config_path)).name} " if config_path else ""
     when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    return f"{deployment.name or 'cli'} {when} {model} <- {data} cfg {digest}"
+    return f"{deployment.name or 'cli'} {when} {model} <- {data} cfg {config}{digest}"
 
 
 # No log_prints: Prefect's print patch ignores a swapped sys.stdout, so what a library prints into a capture
@@ -120,14 +127,18 @@ def dflash_pipeline(
     who = f"the {deployment.name} deployment" if deployment.name else "the preset"
     cfg = load_config(config_path, compose_overrides(preset, overrides, who))
     procs.allow_workers()
+    where = stages.resolve_paths(cfg)  # as run_pipeline resolves them: the artifact keys' scope is the store's path
+    summary = RunSummary(output_dir=where.output_dir, store=where.store)  # filled in place: a failed run has it too
+    runner = PrefectRunner()
     try:
-        with stops_remembered():
-            summary = stages.run_pipeline(cfg, PrefectRunner())
+        with stops_remembered(), artifacts_of_store(where.store):
+            summary = stages.run_pipeline(cfg, runner, summary)
             raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
         stopped = procs.stop_workers()
         if stopped:
             run_logger().warning("stopped extraction workers %s (%s)", stopped, type(e).__name__)
+        _publish_failure(summary, runner.stage, e)
         if isinstance(e, TerminationSignal) and _cancelling():
             # The worker's SIGTERM of a cancelled run (UI, `prefect flow-run cancel`): end as Cancelled, not as a
             # crash. Nothing is retried; a new run resumes from the store's commit records and the last checkpoint.
@@ -137,14 +148,26 @@ def dflash_pipeline(
     return summary
 
 
-def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
-    """`task`, run only if no stop signal came before it (runguard.raise_if_stopped)."""
+def _publish_failure(summary: RunSummary, stage: str | None, e: BaseException) -> None:
+    """The run-summary artifact of a failed (or stopped) run: what was done, which stage failed and why. A failed
+    night published none before. Never hides the run's own error."""
+    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        publish_run_summary(summary, f"{stage or 'before the first stage'}: {why}")
+    except Exception as err:  # noqa: BLE001 - no API any more (a stop): the run's error is what matters
+        run_logger().warning("could not publish the failed run's summary: %s", err)
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+
+def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
+    """`task`, run only if no stop signal came before it (runguard.raise_if_stopped); the runner remembers it as
+    the stage in progress (a failed run's summary names it)."""
+
+    def run(self: PrefectRunner, *args: Any, **kwargs: Any) -> Any:
         raise_if_stopped()
+        self.stage = task.name
         return task(*args, **kwargs)
 
-    return staticmethod(functools.update_wrapper(run, task, updated=()))
+    return functools.update_wrapper(run, task, updated=())
 
 
 def gather(futures: list, poll_s: float = STOP_POLL_S) -> list:
@@ -177,12 +200,13 @@ class PrefectRunner:
     evaluate = _stage(evaluate_task)
     regenerate = _stage(regenerate_task)
     estimate = _stage(estimate_task)
+    stage: str | None = None  # the stage in progress, by its task's name
 
-    @staticmethod
-    def extract(cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
+    def extract(self, cfg: RunConfig, report: ProbeReport, plan: PlanResult) -> list[WorkerResult]:
         """Fan out: one worker task per device, units balanced by tokens; a crashed worker is retried and
         resumes from its units' commit records."""
         raise_if_stopped()
+        self.stage = "extract-hidden-states"
         if cfg.extract.engine == "ray":
             from dflash_pipeline.flows.ray_extract import run_on_ray
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import hashlib
 import logging
 import re
 
@@ -34,9 +37,39 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger(PACKAGE_LOGGER)
 
 
-def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
+_artifact_store: contextvars.ContextVar[str | None] = contextvars.ContextVar("artifact_store", default=None)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
+def store_suffix(store: str) -> str:
+    """`<store's last path part>-<8 hex of its full path>`: two stores named alike still differ."""
+    name = _slug(str(store).rstrip("/").rsplit("/", 1)[-1])[:24].strip("-") or "store"
+    return f"{name}-{hashlib.sha256(str(store).rstrip('/').encode()).hexdigest()[:8]}"
+
+
+@contextlib.contextmanager
+def artifacts_of_store(store: str):
+    """Inside: every artifact_key carries `store`'s suffix (the flow sets it once; Prefect's task threads copy the
+    context). A key shared by runs of other stores made the Artifacts page's "latest" come from another store."""
+    token = _artifact_store.set(store)
+    try:
+        yield
+    finally:
+        _artifact_store.reset(token)
+
+
+def artifact_key(*parts: str, store: str | None = None) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only; scoped to `store` (or the store of
+    the flow run, artifacts_of_store) so each store's latest artifact is its own."""
+    store = store or _artifact_store.get()
+    key = _slug("-".join(parts))
+    if not store:
+        return key[:100]
+    suffix = store_suffix(store)
+    return f"{key[: 99 - len(suffix)].strip('-')}-{suffix}"
 
 
 def _flow_run_cancelling(task_run) -> bool:

@@ -115,8 +115,8 @@ def publish_throughput(results: list[WorkerResult], store_path: str) -> None:
     )
 
 
-def publish_run_summary(summary: RunSummary) -> None:
-    """What this run added to the store, for the UI (the nightly run's report)."""
+def run_summary_markdown(summary: RunSummary, failure: str | None = None) -> str:
+    """The run-summary artifact's text: what the run did, and for a failed run which stage failed and why."""
     s = summary
     promoted = s.current == s.version != s.previous_current
     rows = [
@@ -130,9 +130,21 @@ def publish_run_summary(summary: RunSummary) -> None:
         ("validation", s.validation or "not run"),
         ("pruned versions", ", ".join(s.pruned) or "none"),
     ]
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    if s.drafter or s.final_loss is not None:
+        rows += [("drafter", s.drafter), ("final loss", s.final_loss)]
+    title = "# Extraction run summary"
+    if failure is not None:
+        title = "# Run summary: FAILED"
+        rows = [("outcome", f"**failed**: {failure}".replace("|", "\\|").replace("\n", " "))] + rows
+    table = "\n".join(f"| {k} | {v if v is not None else '-'} |" for k, v in rows)
+    return f"{title}\n\n| item | value |\n| --- | --- |\n{table}\n"
+
+
+def publish_run_summary(summary: RunSummary, failure: str | None = None) -> None:
+    """What this run added to the store, for the UI (the nightly run's report); `failure` ("<stage>: <error>")
+    for a run that failed, so a failed night says what it did and where it stopped."""
     create_markdown_artifact(
-        key=artifact_key("run-summary"),
-        description="what this run added",
-        markdown=f"# Extraction run summary\n\n| item | value |\n| --- | --- |\n{table}\n",
+        key=artifact_key("run-summary", store=summary.store),
+        description="what this run added" if failure is None else "FAILED: " + failure[:200],
+        markdown=run_summary_markdown(summary, failure),
     )

@@ -18,8 +18,9 @@ from dflash_pipeline.tasks.common import artifact_key, run_logger
 def probe_task(cfg: RunConfig) -> ProbeReport:
     report = stages.probe(cfg)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_report(report, out / "probe.json")
+    with stages.writing_output(out, out / "probe.json"):  # a full disk: one line naming the file and the fix
+        out.mkdir(parents=True, exist_ok=True)
+        save_report(report, out / "probe.json")
     create_markdown_artifact(
         key=artifact_key("compat-probe"),
         markdown=report.to_markdown(),
