@@ -17,7 +17,9 @@
   gone, stops those still running (SIGTERM, SIGKILL after GUARD_GRACE_S).
 - Prefect logs a user error's traceback (twice) before the CLI prints the message; without --debug those
   records keep their message and lose the traceback (also for a crashed extraction worker, whose message names
-  the worker, its pid and its signal).
+  the worker, its pid and its signal), and the console (not the UI) leaves out every Prefect line that repeats
+  the message the CLI prints, and the 'Crash detected!' / 'Finished in state Crashed' lines of a stop: the CLI
+  prints each error once, and a stop as its one stop message.
 
 `python -m dflash_pipeline.runguard PID` is the guard; it imports nothing heavy.
 """
@@ -97,7 +99,27 @@ class _NoUserErrorTraceback(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, PipelineError) or type(exc).__name__ == "WorkerCrashed":  # both say what happened
             record.exc_info, record.exc_text = None, None
+            text = str(exc)
+            _reported.update(t[:80] for t in (text, repr(text)[1:-1]) if len(t) >= 8)
         return "Encountered exception during execution" not in record.getMessage() or exc is None
+
+
+_reported: set[str] = set()  # the start of each error the CLI prints itself (seen by _NoUserErrorTraceback)
+_STOP_CRASHES = ("Execution was aborted by an interrupt signal", "Execution was aborted by a termination signal")
+
+
+class _ConsoleOnce(logging.Filter):
+    """On the CLI's console only (the handlers of the root logger; the UI's APILogHandler keeps every record):
+    Prefect's lines about an error the CLI then prints itself (a user error, a crashed worker: 'Task run failed
+    with exception', the task's and the flow's 'Finished in state Failed(...)', each repeating the message), and
+    its 'Crash detected!' and 'Finished in state Crashed' lines of a stop (Ctrl-C, SIGTERM: the CLI says it
+    stopped). A real crash (any other exception) is still shown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        msg = record.getMessage()
+        return not any(s in msg for s in _STOP_CRASHES) and not any(t in msg for t in _reported)
 
 
 def isolate_ephemeral_server() -> None:
@@ -141,19 +163,33 @@ def guarded_run(debug: bool = False):
     ensure_guard()
     if not os.environ.get("PREFECT_API_URL"):
         isolate_ephemeral_server()
-    flt = _NoUserErrorTraceback()
+    flt, console = _NoUserErrorTraceback(), _ConsoleOnce()
     loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
+    consoles = [h for h in logging.getLogger().handlers if not isinstance(h, _api_handler_types())]
+    _reported.clear()
     if not debug:
         for lg in loggers:
             lg.addFilter(flt)
+        for h in consoles:
+            h.addFilter(console)
     try:
         yield
     finally:
         for lg in loggers:
             lg.removeFilter(flt)
+        for h in consoles:
+            h.removeFilter(console)
         for s, h in previous.items():
             signal.signal(s, h)
         _stop, _guarding = None, False
+
+
+def _api_handler_types() -> tuple[type, ...]:
+    try:
+        from prefect.logging.handlers import APILogHandler
+    except ImportError:
+        return ()
+    return (APILogHandler,)
 
 
 def ensure_guard() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +168,8 @@ def test_an_error_in_the_flow_is_one_message_and_debug_shows_the_traceback(model
     res, _ = _run(tmp_path, *sets)
     assert res.returncode == 2 and "error: stages has validate without extract" in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    # once: before, Prefect's 'Encountered exception' and 'Finished in state Failed(...)' lines repeated it
+    assert res.stderr.count("stages has validate without extract") == 1, res.stderr[-3000:]
     res, _ = _run(tmp_path, *sets, debug=True, env={"PREFECT_API_URL": prefect_harness})
     assert res.returncode == 2 and "Traceback" in res.stderr and "error: stages has validate" in res.stderr
 
@@ -190,3 +193,34 @@ def test_serve_on_a_port_in_use_says_so_and_starts_nothing(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert f"port {port} on 127.0.0.1 is in use" in res.stderr and "--port" in res.stderr
     assert "Prefect UI" not in res.stdout and not (tmp_path / "h").exists()
+
+
+def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, prefect_harness, tmp_path):
+    """Before: two 'ERROR ... Crash detected! Execution was aborted by an interrupt signal.' lines and 'Finished in
+    state Crashed(...)' came before the stop message. The UI keeps them (the filter is on the console only)."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_harness, "PYTHONUNBUFFERED": "1"}
+    sets = [f"output_dir={tmp_path}/out", "extract.devices=cpu", "data.max_samples=8"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.cli", "run", *(f"--set={s}" for s in sets)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "err", "w"),
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not the caller's (a background shell's)
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "Beginning flow run" not in (tmp_path / "err").read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside the first stage (a task: its engine and the flow's both report the crash)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = (tmp_path / "err").read_text()
+    assert "Crash detected" not in err and "Finished in state Crashed" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("stopped (Ctrl-C): what was committed"), err[-3000:]
