@@ -26,6 +26,7 @@ from dflash_pipeline.errors import ConfigError, PipelineError
 from dflash_pipeline.storage.commit import exclusive_lock
 
 DONE = "DONE"
+METRICS, LOSS_CURVE = "metrics.json", "loss_curve.png"
 
 
 @contextmanager
@@ -126,12 +127,15 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sp
 
 
 def write_report(output_dir: str | Path, history: list[dict], metrics: dict[str, Any]) -> dict[str, str]:
-    """loss_curve.png and metrics.json beside the checkpoints; returns their paths."""
+    """loss_curve.png and metrics.json beside the checkpoints; returns their paths (plot: '' without history,
+    when none is drawn). metrics.json records both paths."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mpath, ppath = out / "metrics.json", out / "loss_curve.png"
+    mpath, ppath = out / METRICS, out / LOSS_CURVE
+    paths = {"metrics": str(mpath), "plot": str(ppath) if history else ""}
     tmp = mpath.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**metrics, "history": history}, indent=2, default=str))
+    record = {**metrics, "metrics_path": paths["metrics"], "plot_path": paths["plot"], "history": history}
+    tmp.write_text(json.dumps(record, indent=2, default=str))
     os.replace(tmp, mpath)
     if history:
         import matplotlib
@@ -148,4 +152,28 @@ def write_report(output_dir: str | Path, history: list[dict], metrics: dict[str,
         fig.tight_layout()
         fig.savefig(ppath, dpi=100)
         plt.close(fig)
-    return {"metrics": str(mpath), "plot": str(ppath)}
+    return paths
+
+
+def finished_run(output_dir: str | Path, step: int, provenance: dict[str, Any]) -> dict[str, Any] | None:
+    """metrics.json of a training that already finished at `step` and exported it, or None. Finished means: the
+    export's dflash_meta.json records that step and the same provenance (train_config, store, store_version,
+    target) as this run, and metrics.json records that step uninterrupted. A rerun of a finished run then
+    trains nothing and keeps the export as it is (its evaluation stays reusable)."""
+    from dflash_pipeline.drafter.export import CONFIG, WEIGHTS, read_meta
+
+    out = Path(output_dir)
+    export = out / "export"
+    if not (export / CONFIG).is_file() or not (export / WEIGHTS).is_file():
+        return None
+    meta = read_meta(export)
+    if meta.get("steps") != step or any(meta.get(k) != v for k, v in provenance.items()):
+        return None
+    try:
+        metrics = json.loads((out / METRICS).read_text())
+    except (OSError, ValueError):
+        return None
+    if metrics.get("steps") != step or metrics.get("interrupted") or metrics.get("export_dir") != str(export):
+        return None
+    plot = out / LOSS_CURVE
+    return {**metrics, "metrics_path": str(out / METRICS), "plot_path": str(plot) if plot.is_file() else ""}

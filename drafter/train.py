@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors, states
-from dflash_pipeline.drafter.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_report
+from dflash_pipeline.drafter.checkpoint import (
+    finished_run,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    write_report,
+)
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
@@ -55,6 +61,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     metrics_path: str = ""
     plot_path: str = ""
+    reused: bool = False  # the run had already finished and exported: nothing trained or exported (finished_run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,6 +194,18 @@ def train(
         state = load_checkpoint(ck, model, opt, sched, sj)
         start, history = int(state["step"]), list(state.get("history", []))
         log.info("resuming from %s (step %d of %d)", ck, start, total)
+    provenance = {
+        "train_config": cfg.model_dump(mode="json"),
+        "store": str(store_root),
+        "store_version": job.ds.version,
+        "target": report.model_path,
+    }
+    if start >= total and (done := finished_run(out, start, provenance)) is not None:
+        log.info("training had finished (step %d of %d, %s): reused, nothing trained", start, total, out / "export")
+        if d.owns_group:
+            torch.distributed.destroy_process_group()
+        names = TrainResult.__dataclass_fields__
+        return TrainResult(**{**{k: v for k, v in done.items() if k in names}, "start_step": start, "reused": True})
     if d.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -289,14 +308,7 @@ def train(
                 export_drafter(
                     model,
                     out / "export",
-                    {
-                        "train_config": cfg.model_dump(mode="json"),
-                        "store": str(store_root),
-                        "store_version": job.ds.version,
-                        "target": report.model_path,
-                        "steps": step,
-                        "final_loss": result.final_loss,
-                    },
+                    {**provenance, "steps": step, "final_loss": result.final_loss},
                 )
             )
         paths = write_report(out, history, {k: v for k, v in result.to_dict().items() if k != "history"})
