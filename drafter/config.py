@@ -102,6 +102,23 @@ class EvalConfig(Section):
         description="Passed to apply_chat_template, e.g. "
         "{'enable_thinking': false}; must match how the drafter's data was rendered.",
     )
+    slice_by: list[str] = Field(
+        [],
+        description="Fields of the prompt rows to report acceptance by, each on its own (e.g. ['source'], or "
+        "['domain'] on the embedded prompts); every row must have them. Per slice: tau, per-position rates, baseline.",
+    )
+    baseline: Literal["cached", "always", "off"] = Field(
+        "cached",
+        description="The untrained drafter's acceptance (the baseline): 'cached' = measured once per target, prompts "
+        "and settings and kept in $DFLASH_HOME/baselines (default ~/.cache/dflash-pipeline); 'always' = measured "
+        "on every evaluation; 'off' = not measured.",
+    )
+    baseline_seed: int = Field(0, description="Seed of the untrained drafter's initialization (part of the cache key).")
+    reuse: bool = Field(
+        True,
+        description="Reuse the acceptance stored in the export's dflash_meta.json when the export, the prompts and "
+        "these settings are unchanged (a rerun of a finished run evaluates nothing); false = always measure.",
+    )
 
     @model_validator(mode="after")
     def _greedy(self) -> EvalConfig:

@@ -9,29 +9,113 @@ per verification step (accepted + bonus, as in the DFlash paper), so 1 <= tau <=
 Correctness over speed: every step re-runs the target over the whole sequence (no KV cache), which is
 exact for any architecture (hybrid GDN included). The output is the target's own greedy continuation,
 and `lossless_check` compares it against plain greedy decoding.
+
+Slices (`evaluate.slice_by`): fields of the prompt rows; per value of each field, the same figures over that
+value's prompts. Every figure pools verification steps: tau = generated tokens / verification steps, so the
+overall tau is the step-weighted mean of the slice taus (sum_s steps_s * tau_s / sum_s steps_s), and likewise
+each position's rate; it is not the mean over prompts.
+
+Nothing is measured twice (`evaluation_key`): what determines a result is hashed (target config and weights
+fingerprint, tokenizer and chat template, the prompt rows used, max_new_tokens, chat_template_kwargs, device
+type and dtype, the forward's kernels, torch / transformers versions, this code), plus the drafter: the
+export's weights for the trained one, its architecture and seed for the untrained baseline.
+- The trained drafter's result is stored with its key in the export's dflash_meta.json (`acceptance`); an
+  evaluation with the same key reuses it (`reused: true`) without loading the target.
+- The untrained baseline (always ~1: the answer depends on the target and prompts, not on training) is kept
+  in `$DFLASH_HOME/baselines/<key digest>.json` (default ~/.cache/dflash-pipeline, where the embedded target is
+  built too): it is a property of (target, prompts, settings), not of a run, so every run on that machine
+  shares it whatever its output_dir (a fresh `make run`, the nightly deployment, CI jobs). It is also kept in
+  dflash_meta.json, the fallback when the cache file is gone.
+Both store the steps of every prompt, so changing only `slice_by` recomputes the slices without a forward.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import head_from_model
+from dflash_pipeline.errors import ConfigError, DataError
 from dflash_pipeline.extraction.capture import LayerCapture
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dflash_pipeline.extraction.probe import ProbeReport
+
+# Bump when what a stored result means changes (the key also holds this code's digest, see _code_digest).
+EVAL_FORMAT = 2
+PLOT = "acceptance.png"  # beside the export (the drafter directory), next to loss_curve.png
+
+
+def aggregate(steps_per_prompt: list[list[int]], block_size: int) -> dict[str, Any]:
+    """Pooled figures of some prompts from their tokens produced per verification step: tau = tokens / steps
+    (1.0 with no step), and the share of steps that accepted draft position k, k = 1..block_size-1."""
+    steps = [x for p in steps_per_prompt for x in p]
+    n = len(steps)
+    return {
+        "num_prompts": len(steps_per_prompt),
+        "verify_steps": n,
+        "generated_tokens": sum(steps),
+        "acceptance_length": sum(steps) / n if n else 1.0,
+        "position_accept_rate": [sum(1 for x in steps if x - 1 >= k) / n if n else 0.0 for k in range(1, block_size)],
+    }
+
+
+def slice_value(v: Any) -> str:
+    """A slice's name: a string as it is, any other JSON value as JSON (true, 3, null)."""
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+def check_slice_fields(rows: list[dict], fields: list[str], where: str) -> None:
+    """Every row used has every `evaluate.slice_by` field, else a ConfigError naming the field, the first row
+    without it and the fields the rows have."""
+    for f in fields:
+        missing = [i for i, r in enumerate(rows) if f not in r]
+        if missing:
+            i = missing[0]
+            have = sorted({k for r in rows for k in r})
+            raise ConfigError(
+                f"evaluate.slice_by names {f!r}, but {len(missing)} of the {len(rows)} prompt rows of {where} lack "
+                f"it (first: row {i + 1}, id {rows[i].get('id')!r}); the rows' fields are {have}: name one of "
+                f"those in evaluate.slice_by, or add {f!r} to every row"
+            )
+
+
+def slices(
+    rows: list[dict],
+    per_prompt: list[dict],
+    fields: list[str],
+    block_size: int,
+    untrained: list[dict] | None = None,
+) -> dict[str, list[dict]]:
+    """{field: [one entry per value, sorted by value: {value, aggregate figures, untrained_acceptance_length}]}."""
+    out: dict[str, list[dict]] = {}
+    for f in fields:
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(slice_value(r[f]), []).append(i)
+        entries = []
+        for value in sorted(groups):
+            idx = groups[value]
+            e = {"value": value, **aggregate([per_prompt[i]["produced"] for i in idx], block_size)}
+            if untrained is not None:
+                base = aggregate([untrained[i]["produced"] for i in idx], block_size)
+                e["untrained_acceptance_length"] = base["acceptance_length"]
+            entries.append(e)
+        out[f] = entries
+    return out
 
 
 @dataclass
@@ -42,16 +126,48 @@ class AcceptanceReport:
     verify_steps: int
     generated_tokens: int
     position_accept_rate: list[float]  # [k-1]: share of steps whose draft position k was accepted
+    # per prompt: id, tokens, steps, acceptance_length, produced (tokens per verification step), the slice values
     per_prompt: list[dict] = field(default_factory=list)
     untrained_acceptance_length: float | None = None  # same spec, freshly initialized: the baseline
+    untrained_position_accept_rate: list[float] | None = None
+    untrained_per_prompt: list[dict] | None = None  # the baseline's steps, per prompt (the slices' baseline)
+    slices: dict[str, list[dict]] = field(default_factory=dict)  # evaluate.slice_by: see `slices`
+    reused: bool = False  # the trained drafter's figures are the ones stored in dflash_meta.json (same key)
+    baseline_reused: bool | None = None  # the baseline came from the cache (None: no baseline)
+    baseline_cache: str | None = None  # the baseline's cache file
+    target_forwards: int = 0  # target forwards this evaluation ran for the trained drafter (0 when reused)
+    baseline_forwards: int = 0  # ... and for the baseline (0 when reused)
+    plot_path: str | None = None
+    key_digest: str | None = None  # of the trained drafter's evaluation key (the reuse check)
+    baseline_key_digest: str | None = None
+    key: dict = field(default_factory=dict)  # what the trained drafter's figures depend on
+    elapsed_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def to_markdown(self, title: str = "Drafter acceptance") -> str:
+    @classmethod
+    def from_dict(cls, d: dict) -> AcceptanceReport:
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def reuse_line(self) -> str:
+        """What this evaluation measured and what it reused, in one line."""
+        trained = (
+            "reused from dflash_meta.json" if self.reused else f"measured ({self.target_forwards} target forwards)"
+        )
+        if self.baseline_reused is None:
+            base = "not measured (evaluate.baseline=off)"
+        elif self.baseline_reused:
+            base = f"reused from {self.baseline_cache}"
+        else:
+            base = f"measured ({self.baseline_forwards} target forwards)"
+        return f"trained drafter {trained}; untrained baseline {base}"
+
+    def to_markdown(self, title: str = "Drafter acceptance", plot_uri: str | None = None) -> str:
         rates = " | ".join(f"{r:.2f}" for r in self.position_accept_rate)
         heads = " | ".join(str(k) for k in range(1, len(self.position_accept_rate) + 1))
-        return (
+        md = (
             f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step "
             f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
             + (
@@ -60,10 +176,30 @@ class AcceptanceReport:
                 else ""
             )
             + f"- prompts: {self.num_prompts}, verification steps: {self.verify_steps}, "
-            f"generated tokens: {self.generated_tokens}\n\n"
+            f"generated tokens: {self.generated_tokens}\n"
+            f"- {self.reuse_line()}\n\n"
             f"Acceptance rate by draft position (share of steps that accepted position k):\n\n"
             f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n"
         )
+        if self.untrained_position_accept_rate is not None:
+            md += f"| untrained | {' | '.join(f'{r:.2f}' for r in self.untrained_position_accept_rate)} |\n"
+        for f, entries in self.slices.items():
+            md += (
+                f"\n## By `{f}`\n\nOverall tau is the verification-step-weighted mean of these.\n\n"
+                f"| {f} | prompts | steps | tokens | tau | untrained tau | "
+                f"rate by position 1..{self.block_size - 1} |\n"
+                "| --- | --- | --- | --- | --- | --- | --- |\n"
+            )
+            for e in entries:
+                base = e.get("untrained_acceptance_length")
+                md += (
+                    f"| {e['value']} | {e['num_prompts']} | {e['verify_steps']} | {e['generated_tokens']} | "
+                    f"{e['acceptance_length']:.3f} | {'-' if base is None else f'{base:.3f}'} | "
+                    f"{' '.join(f'{r:.2f}' for r in e['position_accept_rate'])} |\n"
+                )
+        if self.plot_path:
+            md += f"\n![acceptance]({plot_uri or self.plot_path})\n\n`{self.plot_path}`\n"
+        return md
 
 
 @torch.inference_mode()
@@ -124,13 +260,77 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_ids
 
 
 def load_prompts(cfg: EvalConfig) -> list[dict]:
+    """The prompt rows evaluated (the first evaluate.num_prompts), each with 'messages' ending with a user turn
+    and every evaluate.slice_by field."""
     path = cfg.prompts
     if path == "embedded":
         from dflash_pipeline.embedded import heldout_prompts
 
         path = str(heldout_prompts())
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return rows[: cfg.num_prompts] if cfg.num_prompts else rows
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"evaluate.prompts={cfg.prompts!r}: no such file; give a JSONL of prompt rows or 'embedded'")
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p} line {n} is not JSON ({e}): evaluate.prompts needs one JSON object a line") from e
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise DataError(f"{p} line {n}: a prompt row is an object with 'messages' (a list of chat turns)")
+        rows.append(row)
+    rows = rows[: cfg.num_prompts] if cfg.num_prompts else rows
+    check_slice_fields(rows, cfg.slice_by, str(p))
+    return rows
+
+
+def _steps(
+    drafter: DFlashDrafter,
+    target,
+    tokenizer,
+    cfg: EvalConfig,
+    prompts: list[dict],
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """Speculative decoding of every prompt: [{id, tokens, steps, acceptance_length, produced}]."""
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    stop = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
+    per_prompt = []
+    for n_done, p in enumerate(prompts):
+        if progress:
+            progress(n_done, len(prompts))
+        ids = tokenizer.apply_chat_template(
+            p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.chat_template_kwargs
+        )["input_ids"]
+        gen, produced = speculative_generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
+        per_prompt.append(
+            {
+                "id": p.get("id"),
+                "tokens": len(gen),
+                "steps": len(produced),
+                "acceptance_length": sum(produced) / len(produced) if produced else None,
+                "produced": produced,
+            }
+        )
+    return per_prompt
+
+
+def _report(
+    per_prompt: list[dict], rows: list[dict], cfg: EvalConfig, block_size: int, untrained: list[dict] | None
+) -> AcceptanceReport:
+    overall = aggregate([p["produced"] for p in per_prompt], block_size)
+    for p, r in zip(per_prompt, rows, strict=True):
+        p["slices"] = {f: slice_value(r[f]) for f in cfg.slice_by}
+    rep = AcceptanceReport(block_size=block_size, per_prompt=per_prompt, **overall)
+    if untrained is not None:
+        base = aggregate([p["produced"] for p in untrained], block_size)
+        rep.untrained_acceptance_length = base["acceptance_length"]
+        rep.untrained_position_accept_rate = base["position_accept_rate"]
+        rep.untrained_per_prompt = untrained
+    rep.slices = slices(rows, per_prompt, cfg.slice_by, block_size, untrained)
+    return rep
 
 
 def evaluate_acceptance(
@@ -141,65 +341,250 @@ def evaluate_acceptance(
     prompts: list[dict] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> AcceptanceReport:
-    """Acceptance length over the prompts (target and drafter already on the same device, eval mode)."""
+    """Acceptance length over the prompts (target and drafter already on the same device, eval mode), with the
+    slices of evaluate.slice_by; no baseline, nothing cached."""
     prompts = prompts if prompts is not None else load_prompts(cfg)
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    stop = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
-    bs = drafter.spec.block_size
-    all_steps: list[int] = []
-    per_prompt = []
-    for n_done, p in enumerate(prompts):
-        if progress:
-            progress(n_done, len(prompts))
-        ids = tokenizer.apply_chat_template(
-            p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.chat_template_kwargs
-        )["input_ids"]
-        gen, produced = speculative_generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
-        all_steps += produced
-        per_prompt.append(
-            {
-                "id": p.get("id"),
-                "tokens": len(gen),
-                "steps": len(produced),
-                "acceptance_length": sum(produced) / len(produced) if produced else None,
-            }
-        )
-    n = len(all_steps)
-    rates = [sum(1 for x in all_steps if x - 1 >= k) / n if n else 0.0 for k in range(1, bs)]
-    return AcceptanceReport(
-        acceptance_length=sum(all_steps) / n if n else 1.0,
-        block_size=bs,
-        num_prompts=len(prompts),
-        verify_steps=n,
-        generated_tokens=sum(all_steps),
-        position_accept_rate=rates,
-        per_prompt=per_prompt,
-    )
+    check_slice_fields(prompts, cfg.slice_by, "the given prompts")
+    per_prompt = _steps(drafter, target, tokenizer, cfg, prompts, progress)
+    return _report(per_prompt, prompts, cfg, drafter.spec.block_size, None)
+
+
+# ---- what a result depends on ------------------------------------------------------------------------------
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _code_digest() -> str:
+    """This module's and the drafter model's source (and the layer capture): a change there may change results."""
+    here = Path(__file__).resolve().parent
+    files = [
+        here / "evaluate.py",
+        here / "model.py",
+        here / "target_head.py",
+        here.parent / "extraction" / "capture.py",
+    ]
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _files_digest(directory: str | Path, names: list[str]) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for n in names:
+        with open(Path(directory) / n, "rb") as fh:
+            while piece := fh.read(8 << 20):
+                h.update(piece)
+    return h.hexdigest()
+
+
+def evaluation_key(report: ProbeReport, cfg: EvalConfig, rows: list[dict], tokenizer, device: str, dtype) -> dict:
+    """What an evaluation's figures depend on, except the drafter (see `trained_key`, `baseline_key`)."""
+    import transformers
+
+    from dflash_pipeline.dataprep.prepare import template_fingerprint, tokenizer_fingerprint
+    from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
+
+    return {
+        "format": EVAL_FORMAT,
+        "code": _code_digest(),
+        "target": {
+            "model_config_hash": config_hash(report.model_path),
+            "weights_fingerprint": weights_fingerprint(report.model_path),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "template_fingerprint": template_fingerprint(tokenizer),
+            "attn_implementation": report.attn_implementation,
+            "gdn_forward": report.gdn_forward if device.startswith("cuda") else "transformers",
+            "conv_kernel": report.conv_kernel,
+        },
+        "prompts": {"rows": len(rows), "digest": _digest(rows)},
+        "settings": {
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "chat_template_kwargs": cfg.chat_template_kwargs,
+        },
+        "device": {"type": torch.device(device).type, "dtype": str(dtype).removeprefix("torch.")},
+        "libraries": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def trained_key(common: dict, export_dir: str | Path) -> dict:
+    from dflash_pipeline.drafter.export import CONFIG, WEIGHTS
+
+    return {**common, "drafter": {"export_xxh3_128": _files_digest(export_dir, [CONFIG, WEIGHTS])}}
+
+
+def baseline_key(common: dict, spec, seed: int) -> dict:
+    return {**common, "drafter": {"untrained": spec.to_dict(), "seed": seed}}
+
+
+# ---- the baseline cache -------------------------------------------------------------------------------------
+def baseline_cache_dir() -> Path:
+    """$DFLASH_HOME/baselines (default ~/.cache/dflash-pipeline/baselines), read at each call."""
+    from dflash_pipeline.embedded.build import dflash_home
+
+    return dflash_home() / "baselines"
+
+
+def _read_baseline(path: Path, key: dict) -> list[dict] | None:
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the unreadable baseline cache file %s (%s): measuring again", path, e)
+        return None
+    return rec.get("per_prompt") if rec.get("key") == key else None
+
+
+def _write_baseline(path: Path, key: dict, per_prompt: list[dict], elapsed_s: float) -> None:
+    """One file per key, replaced atomically; a cache that cannot be written only costs a later recompute."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        rec = {"key": key, "per_prompt": per_prompt, "measured_s": round(elapsed_s, 3), "created": time.time()}
+        tmp.write_text(json.dumps(rec, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write the baseline cache %s (%s): the next evaluation measures it again", path, e)
+
+
+class _ForwardCounter:
+    """Counts the target's forwards (a forward hook on the model): the evidence of what was measured."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.n = 0
+        self._h = model.register_forward_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.n += 1
+
+    def close(self) -> None:
+        self._h.remove()
 
 
 def evaluate_export(
-    export_dir: str, report: ProbeReport, cfg: EvalConfig, baseline: bool = True, seed: int = 0
+    export_dir: str, report: ProbeReport, cfg: EvalConfig, baseline: bool = True, seed: int | None = None
 ) -> AcceptanceReport:
-    """Load the exported drafter and the target, evaluate (and, with `baseline`, an untrained drafter of
-    the same architecture), and store the result in the export's dflash_meta.json."""
-    from dflash_pipeline.drafter.export import load_drafter, update_meta
+    """Acceptance of the exported drafter (and, with `baseline` and evaluate.baseline not 'off', of an untrained
+    drafter of the same architecture), reusing what was measured before with the same key (see the module
+    docstring); the result goes into the export's dflash_meta.json and its plot beside the export."""
+    from dflash_pipeline.drafter.export import load_drafter, read_meta, spec_of_export, update_meta
     from dflash_pipeline.drafter.runtime import resolve_device
-    from dflash_pipeline.extraction.loader import load_planned
     from dflash_pipeline.extraction.tokenizer import load_tokenizer
 
+    t0 = time.monotonic()
+    seed = cfg.baseline_seed if seed is None else seed
+    rows = load_prompts(cfg)  # slice fields checked before anything is loaded
     device = str(resolve_device(cfg.device))
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    target = load_planned(report, device, str(dtype).removeprefix("torch."))  # the extraction's loader
     tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
-    drafter = load_drafter(export_dir, device, dtype)
-    rep = evaluate_acceptance(drafter, target, tok, cfg, progress=_progress_log("trained drafter"))
-    if baseline:
-        torch.manual_seed(seed)
-        fresh = DFlashDrafter(drafter.spec).to(device=device, dtype=dtype).eval()
-        untrained = evaluate_acceptance(fresh, target, tok, cfg, progress=_progress_log("untrained baseline"))
-        rep.untrained_acceptance_length = untrained.acceptance_length
+    common = evaluation_key(report, cfg, rows, tok, device, dtype)
+    key = trained_key(common, export_dir)
+    spec = spec_of_export(export_dir)
+    stored = read_meta(export_dir).get("acceptance") or {}
+
+    trained: list[dict] | None = None
+    if cfg.reuse and stored.get("key") == key and stored.get("per_prompt"):
+        trained = [{k: v for k, v in p.items() if k != "slices"} for p in stored["per_prompt"]]
+    reused = trained is not None
+    untrained: list[dict] | None = None
+    bkey = bdigest = cache = None
+    want_baseline = baseline and cfg.baseline != "off"
+    if want_baseline:
+        bkey = baseline_key(common, spec, seed)
+        bdigest = _digest(bkey)
+        cache = baseline_cache_dir() / f"{bdigest[:32]}.json"
+        if cfg.baseline == "cached":
+            untrained = _read_baseline(cache, bkey)
+            if untrained is None and stored.get("baseline_key_digest") == bdigest:
+                untrained = stored.get("untrained_per_prompt")  # the cache file is gone: the export kept a copy
+                if untrained is not None:
+                    _write_baseline(cache, bkey, untrained, 0.0)
+    baseline_reused = None if not want_baseline else untrained is not None
+
+    fwd_trained = fwd_base = 0
+    if trained is None or (want_baseline and untrained is None):
+        from dflash_pipeline.extraction.loader import load_planned
+
+        target = load_planned(report, device, str(dtype).removeprefix("torch."))  # the extraction's loader
+        counter = _ForwardCounter(target)
+        try:
+            if trained is None:
+                drafter = load_drafter(export_dir, device, dtype)
+                trained = _steps(drafter, target, tok, cfg, rows, _progress_log("trained drafter"))
+                fwd_trained, counter.n = counter.n, 0
+            if want_baseline and untrained is None:
+                tb = time.monotonic()
+                torch.manual_seed(seed)
+                fresh = DFlashDrafter(spec).to(device=device, dtype=dtype).eval()
+                untrained = _steps(fresh, target, tok, cfg, rows, _progress_log("untrained baseline"))
+                fwd_base = counter.n
+                _write_baseline(cache, bkey, untrained, time.monotonic() - tb)
+        finally:
+            counter.close()
+    rep = _report(trained, rows, cfg, spec.block_size, untrained)
+    rep.reused, rep.baseline_reused = reused, baseline_reused
+    rep.baseline_cache = str(cache) if cache else None
+    rep.target_forwards, rep.baseline_forwards = fwd_trained, fwd_base
+    rep.key, rep.key_digest, rep.baseline_key_digest = key, _digest(key), bdigest
+    rep.plot_path = str(plot_acceptance(rep, Path(export_dir).parent / PLOT))
+    rep.elapsed_s = round(time.monotonic() - t0, 3)
+    log.info("evaluate: %s", rep.reuse_line())
     update_meta(export_dir, acceptance=rep.to_dict())
     return rep
+
+
+# ---- the plot -------------------------------------------------------------------------------------------------
+def plot_acceptance(rep: AcceptanceReport, path: str | Path) -> Path:
+    """PNG: per row, acceptance rate by draft position (left) and tau (right, trained vs untrained), overall
+    and then one row per evaluate.slice_by field with a line / a pair of bars per slice value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    overall = {
+        "value": "all",
+        "acceptance_length": rep.acceptance_length,
+        "position_accept_rate": rep.position_accept_rate,
+        "untrained_acceptance_length": rep.untrained_acceptance_length,
+    }
+    rows = [("all prompts", [overall])] + [(f"by {f}", entries) for f, entries in rep.slices.items()]
+    ks = list(range(1, rep.block_size))
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.6 * len(rows)), squeeze=False)
+    for (title, entries), (left, right) in zip(rows, axes, strict=True):
+        for e in entries:
+            n = e.get("num_prompts", rep.num_prompts)
+            left.plot(ks, e["position_accept_rate"], marker="o", ms=3, lw=1.2, label=f"{e['value']} ({n} prompts)")
+        if title == "all prompts" and rep.untrained_position_accept_rate is not None:
+            left.plot(ks, rep.untrained_position_accept_rate, ls="--", color="grey", label="untrained")
+        left.set(xlabel="draft position k", ylabel="share of steps accepting k", ylim=(0, 1.02), title=title)
+        left.set_xticks(ks)
+        left.grid(alpha=0.3)
+        left.legend(fontsize=8)
+        x = range(len(entries))
+        right.bar([i - 0.2 for i in x], [e["acceptance_length"] for e in entries], 0.4, label="trained")
+        base = [e.get("untrained_acceptance_length") for e in entries]
+        if all(b is not None for b in base):
+            right.bar([i + 0.2 for i in x], base, 0.4, color="grey", label="untrained")
+        right.set_xticks(list(x), [e["value"] for e in entries], rotation=30 if len(entries) > 4 else 0)
+        right.set_xlim(-0.8, len(entries) - 0.2)
+        right.set(ylabel="acceptance length (tokens / step)", ylim=(0, rep.block_size), title=f"tau {title}")
+        right.grid(alpha=0.3, axis="y")
+        right.legend(fontsize=8)
+    fig.suptitle(f"DFlash acceptance: tau {rep.acceptance_length:.2f} (block {rep.block_size}, greedy)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def _progress_log(what: str, every_s: float = 10.0) -> Callable[[int, int], None]:

@@ -13,7 +13,17 @@ Format (documented here because the test re-implements a forward from it):
 - modeling_dflash.py: a self-contained `DFlashDraftModel` (torch + transformers only); config.json's
   `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` points AutoModel at it, so
   `AutoModel.from_pretrained(export, trust_remote_code=True)` gives the drafter (as z-lab documents).
-- dflash_meta.json (ours, ignored by servers): training / evaluation provenance.
+- dflash_meta.json (ours, ignored by servers): training / evaluation provenance. Training writes
+  `train_config`, `store`, `store_version`, `target`, `steps`, `final_loss`; evaluation adds `acceptance`
+  (drafter/evaluate.py `AcceptanceReport.to_dict()`): `acceptance_length`, `block_size`, `num_prompts`,
+  `verify_steps`, `generated_tokens`, `position_accept_rate` [block_size-1], `untrained_acceptance_length`,
+  `untrained_position_accept_rate`, `slices` ({field of evaluate.slice_by: [{value, num_prompts, verify_steps,
+  generated_tokens, acceptance_length, position_accept_rate, untrained_acceptance_length}]}), `per_prompt` and
+  `untrained_per_prompt` ([{id, tokens, steps, acceptance_length, produced: tokens per verification step,
+  slices: {field: value}}]), `plot_path` (acceptance.png beside the export), `reused` / `baseline_reused`
+  (whether the figures were measured by that evaluation), `target_forwards` / `baseline_forwards`,
+  `baseline_cache`, `key` + `key_digest` (what the figures depend on: an evaluation with the same key reuses
+  them), `baseline_key_digest`, `elapsed_s`.
 
 The directory and its files get the permissions the process's umask allows (0755 / 0644 under the usual
 022), not the 0700 of a temp directory: a serving container or another user must be able to read them.
@@ -161,6 +171,22 @@ def load_drafter(
     model = DFlashDrafter(spec_from_hf_config(json.loads((p / CONFIG).read_text())))
     model.load_state_dict(load_file(str(p / WEIGHTS)), strict=True)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """dflash_meta.json of an export ({} when it has none or it cannot be read)."""
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def spec_of_export(path: str | Path) -> DraftSpec:
+    p = Path(path) / CONFIG
+    if not p.is_file():
+        raise ConfigError(f"{Path(path)} is not a drafter export (needs {CONFIG} and {WEIGHTS})")
+    return spec_from_hf_config(json.loads(p.read_text()))
 
 
 def update_meta(path: str | Path, **entries: Any) -> None:

@@ -7,6 +7,7 @@ The files under embedded/data/ are committed; this script is how they were made:
 The conversations are synthetic but structured (arithmetic, sorting, word games, small "facts"),
 multi-turn, with system prompts, and some assistant turns carry a <think> block, so that chat-template
 rendering, loss masks and thinking-block handling are exercised the way a real chat dataset does.
+Each held-out prompt row also carries `domain` (the generator that made it), a field to slice acceptance by.
 """
 
 from __future__ import annotations
@@ -129,14 +130,20 @@ def _lists(rng: random.Random) -> list[tuple[str, str]]:
 GENERATORS = [_arith, _sorting, _words, _facts, _lists]
 
 
-def conversation(rng: random.Random) -> list[dict[str, str]]:
+def tagged_conversation(rng: random.Random) -> tuple[str, list[dict[str, str]]]:
+    """(domain: the generator's name, e.g. 'arith', messages)."""
     messages: list[dict[str, str]] = []
     if rng.random() < 0.7:
         messages.append({"role": "system", "content": rng.choice(SYSTEMS)})
-    for user, assistant in rng.choice(GENERATORS)(rng):
+    gen = rng.choice(GENERATORS)
+    for user, assistant in gen(rng):
         messages.append({"role": "user", "content": user})
         messages.append({"role": "assistant", "content": assistant})
-    return messages
+    return gen.__name__.lstrip("_"), messages
+
+
+def conversation(rng: random.Random) -> list[dict[str, str]]:
+    return tagged_conversation(rng)[1]
 
 
 def to_sharegpt(messages: list[dict[str, str]]) -> dict:
@@ -157,9 +164,10 @@ def main() -> None:
     held_rng = random.Random(7)  # a different stream: prompts unseen in training
     with open(DATA_DIR / "heldout_prompts.jsonl", "w") as f:
         for i in range(N_HELDOUT):
-            msgs = conversation(held_rng)
-            # Keep everything up to (not including) the last assistant turn: a prompt to answer.
-            f.write(json.dumps({"id": f"heldout-{i:03d}", "messages": msgs[:-1]}) + "\n")
+            domain, msgs = tagged_conversation(held_rng)
+            # Keep everything up to (not including) the last assistant turn: a prompt to answer. `domain` is
+            # a field to slice acceptance by (evaluate.slice_by).
+            f.write(json.dumps({"id": f"heldout-{i:03d}", "domain": domain, "messages": msgs[:-1]}) + "\n")
     print(
         f"wrote {N_CONVERSATIONS} conversations (messages and ShareGPT forms) and {N_HELDOUT} held-out prompts "
         f"to {DATA_DIR} (deterministic: the same files every time)"

@@ -110,6 +110,7 @@ def _publish_training(r: TrainResult) -> None:
             description="loss curve",
             markdown=f"![loss curve](data:image/png;base64,{png})\n\n`{plot}`\n",
         )
+    note = " (interrupted)" if r.interrupted else " (had finished: reused, nothing trained)" if r.reused else ""
     create_markdown_artifact(
         key=artifact_key("train-summary"),
         description="drafter training",
@@ -117,7 +118,7 @@ def _publish_training(r: TrainResult) -> None:
 # Drafter training
 | item | value |
 | --- | --- |
-| steps | {r.start_step} -> {r.steps} of {r.total_steps}{" (interrupted)" if r.interrupted else ""} |
+| steps | {r.start_step} -> {r.steps} of {r.total_steps}{note} |
 | loss first / final | {r.first_loss} / {r.final_loss} |
 | throughput | {r.tokens_per_s:.0f} tokens/s on {r.world_size} x {r.device} |
 | data-wait share of step time | {r.data_wait_fraction:.1%} |
@@ -129,15 +130,26 @@ def _publish_training(r: TrainResult) -> None:
 
 @task(name="evaluate-drafter", task_run_name="acceptance on held-out prompts", cache_policy=NO_CACHE)
 def evaluate_task(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
+    """Acceptance (overall, per draft position, per evaluate.slice_by slice), reusing what was measured before
+    with the same key; publishes the tables and the plot."""
     result = stages.evaluate(cfg, report, export_dir)
     create_markdown_artifact(
         key=artifact_key("acceptance"),
-        markdown=result.to_markdown(),
-        description="acceptance length on held-out prompts",
+        markdown=result.to_markdown(plot_uri=_inline_png(result.plot_path)),
+        description="acceptance length on held-out prompts, by draft position and slice",
     )
     run_logger().info(
-        "acceptance length %.3f (untrained drafter %.3f)",
+        "acceptance length %.3f (untrained drafter %.3f): %s",
         result.acceptance_length,
         result.untrained_acceptance_length or float("nan"),
+        result.reuse_line(),
     )
     return result
+
+
+def _inline_png(path: str | None) -> str | None:
+    """A data: URI of the PNG (the UI shows it wherever the browser is; a file:// image would not load there)."""
+    p = Path(path) if path else None
+    if p is None or not p.is_file() or p.stat().st_size > MAX_INLINE_PLOT:
+        return None
+    return "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode()
