@@ -142,25 +142,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Check a store version completely; one line per problem, then a summary. Exit 0 healthy, 1 not."""
+    """Check a store version completely; one line per problem, then a summary. Exit 0 healthy and validated, 1
+    not, 2 the store or version cannot be read (no published version), 3 a repair could not be finished."""
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.storage.leases import ReaderLease
+    from dflash_pipeline.storage.reader import published_version
     from dflash_pipeline.storage.store import Store
-    from dflash_pipeline.storage.verify import verify_version
+    from dflash_pipeline.storage.verify import (
+        RECORD,
+        rebuild_plan_records,
+        unvalidated_fix,
+        validation_status,
+        verify_version,
+    )
 
     try:
         store = Store(args.store, json.loads(args.store_options) if args.store_options else None)
         store.check_readable()
-        version = args.version or store.current() or (store.versions() or [None])[-1]
-        if version is None:
-            raise PipelineError(
-                f"no store at {store.url}: no version in it (give the store's path, <output_dir>/store)"
-            )
+        version = args.version or published_version(store, "warn" if args.unvalidated else "refuse")
         if version not in store.versions():
             raise PipelineError(f"no store version {version} under {store.url} (versions: {store.versions()})")
         lease = ReaderLease(store, version)  # retention and pruning leave the version alone while it is checked
         try:
             report = verify_version(store, version, digests=not args.sizes_only, threads=args.threads)
+            unvalidated = validation_status(store, version)
         finally:
             lease.release()
     except PipelineError as e:
@@ -168,14 +173,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     for p in report.problems:
         print(p.line())
-    print(report.summary())
-    if args.repair and report.damaged_units():
-        store.discard_units(version, sorted(report.damaged_units()))
+    if unvalidated:
+        line = f"{store.loc.url_of(version)} is not validated: {unvalidated}"
         print(
-            f"discarded {len(report.damaged_units())} damaged units of {version}: rerun the pipeline's extract stage "
-            "on this store to extract exactly their samples again (validation then moves CURRENT)"
+            f"warning: {line} (--unvalidated: not counted)"
+            if args.unvalidated
+            else f"{line}: {unvalidated_fix(store, version)}"
         )
-    return 0 if report.ok else 1
+    print(report.summary() + ("" if not unvalidated or args.unvalidated else "; not validated (see above)"))
+    if args.repair and (report.damaged_units() or any(p.kind == RECORD for p in report.problems)):
+        try:
+            for line in rebuild_plan_records(store, report):
+                print(line)
+            damaged = sorted(report.damaged_units())
+            if damaged:
+                store.discard_units(version, damaged)
+                print(
+                    f"discarded {len(damaged)} damaged units of {version} ({', '.join(damaged)}): rerun the pipeline's "
+                    "extract stage on this store (with validate) to extract exactly their samples again; validation "
+                    "then moves CURRENT"
+                )
+        except (PipelineError, OSError) as e:
+            print(f"error: repair of {store.loc.url_of(version)} stopped: {e}", file=sys.stderr)
+            return 3
+    if args.repair and any(p.kind == RECORD and p.unit == "-" for p in report.problems):
+        print("the version record cannot be rebuilt here (it needs the run's provenance): rerun extract on this store")
+    return 0 if report.ok and (not unvalidated or args.unvalidated) else 1
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -235,9 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     sc.set_defaults(fn=cmd_show_config)
     vf = sub.add_parser("verify", help="check a store version: every committed file, digest and attribute")
     vf.add_argument("store", help="the store path (or s3://bucket/prefix)")
-    vf.add_argument("--version", help="the version to check (default: CURRENT, else the newest)")
+    vf.add_argument("--version", help="the version to check (default: CURRENT, the published version)")
     vf.add_argument("--sizes-only", action="store_true", help="check presence and sizes, not digests (fast)")
-    vf.add_argument("--repair", action="store_true", help="discard damaged units; a rerun of extract redoes them")
+    vf.add_argument(
+        "--repair",
+        action="store_true",
+        help="rewrite damaged plan records from the committed attributes, discard damaged units; a rerun of extract "
+        "redoes them",
+    )
+    vf.add_argument(
+        "--unvalidated",
+        action="store_true",
+        help="check a version that did not pass validation (or, with no CURRENT, the newest): a warning, not a failure",
+    )
     vf.add_argument("--threads", type=int, default=4, help="units checked at once")
     vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     vf.set_defaults(fn=cmd_verify)

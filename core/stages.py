@@ -217,6 +217,18 @@ def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, versi
     return result
 
 
+def plan_for_validation(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult:
+    """The version `plan` would continue, found without changing the store (a run that validates without
+    extracting never repairs, plans or deletes: Store.survey); validation then reports any damage."""
+    from dflash_pipeline.dataprep.prepare import load_prepared
+    from dflash_pipeline.extraction.plan import provenance
+
+    tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
+    prov = provenance(cfg, report, tokenizer_fingerprint(tok), template_fingerprint(tok))
+    store = Store(cfg.store, cfg.store_options)
+    return store.survey(prov, prepared.fingerprint, list(load_prepared(prepared.path)["sample_id"]))
+
+
 def _train_world(cfg: RunConfig) -> int:
     """Processes the train stage trains with: every GPU (torchrun) when there are several, else one."""
     import torch
@@ -474,7 +486,12 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
             summary.previous_current = store.current()
             if cfg.extract.new_version and "extract" in stages:  # nightly: heal after a failed night
                 discard_failed_versions(store)
-            plan_ = runner.plan(cfg, report, prepared)
+            # only a run that extracts may change the store (plan, repair): validation alone only looks
+            plan_ = (
+                runner.plan(cfg, report, prepared)
+                if "extract" in stages
+                else plan_for_validation(cfg, report, prepared)
+            )
             summary.version, summary.units = plan_.version, plan_.n_units
             summary.new_units, summary.new_samples = len(plan_.new_units), plan_.new_samples
             if "extract" in stages:
@@ -483,10 +500,11 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                 results = runner.extract(cfg, report, plan_)
                 summary.tokens_extracted = sum(r.tokens for r in results)
                 summary.forward_passes = sum(r.forward_passes for r in results)
-            elif plan_.pending_units:
+            elif plan_.pending_units or plan_.new_samples:
                 raise PipelineError(
                     f"stages has validate without extract, but {len(plan_.pending_units)} units of "
-                    f"{plan_.version_path} are not extracted yet: add extract to stages"
+                    f"{plan_.version_path} are not extracted yet and {plan_.new_samples} prepared samples are in no "
+                    "unit: add extract to stages"
                 )
             if "validate" in stages:
                 validation = runner.validate(cfg, report, prepared, plan_.version)

@@ -35,7 +35,7 @@ from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import DTYPES
 from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import verify_version
+from dflash_pipeline.storage.verify import validated_state, verify_version
 
 log = logging.getLogger(__name__)
 # Relative L2 error allowed between stored and recomputed states (batched vs batch-1 kernels differ).
@@ -50,6 +50,8 @@ class ValidationReport:
     checks: list[dict] = field(default_factory=list)
     layer_stats: list[dict] = field(default_factory=list)
     recomputed: list[dict] = field(default_factory=list)
+    # what the checks saw (storage.verify.validated_state): readers accept the version only while it is unchanged
+    state: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -182,6 +184,10 @@ def validate_store(
     problem is a line of the report (raise_if_failed turns a failed report into ValidationFailed)."""
     store = store if isinstance(store, Store) else Store(store)
     report = ValidationReport(version=version)
+    try:
+        report.state = validated_state(store, version)  # before the checks: what they vouch for
+    except (ValueError, OSError) as e:  # an unreadable record: integrity reports it; nothing is vouched for
+        report.state = {"-": f"unreadable: {type(e).__name__}"}
     bad_units = _check_integrity(store, version, report)
     try:
         attrs = store.attrs(version)

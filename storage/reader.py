@@ -19,6 +19,7 @@ refused by name (with who, when, why and how to re-extract), never read as missi
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,16 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import DAMAGED, Problem, check_unit, check_version_attrs
+from dflash_pipeline.storage.verify import (
+    INCOMPLETE,
+    Problem,
+    check_unit,
+    check_version_attrs,
+    unvalidated_fix,
+    validation_status,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,29 @@ def _shard_of(f: str) -> int | None:
     return int(rest.split("/", 1)[0]) if sep and head in SHARDED_ARRAYS else None
 
 
+def published_version(store: Store, unvalidated: str = "refuse") -> str:
+    """CURRENT: the version readers use. With none, StoreError saying so (and which versions exist, and whether
+    they were validated); with `unvalidated="warn"` the newest version instead, with a warning."""
+    current = store.current()
+    if current is not None:
+        if current not in store.versions():
+            raise StoreError(f"store {store.url}: CURRENT names version {current!r}, which does not exist")
+        return current
+    versions = store.versions()
+    if not versions:
+        raise StoreError(f"no store version under {store.url} (give the store's path, <output_dir>/store)")
+    states = ", ".join(f"{v} ({validation_status(store, v) or 'validated'})" for v in versions)
+    msg = f"store {store.url} has no published version: CURRENT is missing (versions: {states})"
+    if unvalidated == "refuse":
+        raise StoreError(
+            f"{msg}. A run with the validate stage publishes the version it validates; to read one anyway, name it "
+            "(`verify --version V`, HiddenStateDataset(version=V)); one that did not pass validation also needs "
+            "`--unvalidated` / unvalidated='warn'"
+        )
+    log.warning("%s; reading the newest, %s, anyway (unvalidated='warn')", msg, versions[-1])
+    return versions[-1]
+
+
 class HiddenStateDataset(torch.utils.data.Dataset):
     """Items: {'sample_id', 'input_ids' [T] long, 'loss_mask' [T] bool, 'hidden' [T, K, H],
     and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype (the dtype training
@@ -60,6 +93,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         partial: bool = False,
         dequantize: bool = True,
         retired: str = "refuse",
+        unvalidated: str = "refuse",
     ):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
@@ -73,27 +107,36 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         `retired`: units whose data retention deleted (docs/STORE.md, "Retention") make the constructor raise
         ("refuse", the default) or, with "index" (a training's reader, so that a training resumed after its
         `consumed` units were deleted sees the same samples in the same order), stay in the index from their plan
-        records, and reading one of their samples raises StoreError saying what was deleted and why."""
+        records, and reading one of their samples raises StoreError saying what was deleted and why.
+        `unvalidated`: a version that did not pass validation (it failed, never ran, or the version changed since:
+        storage.verify.validation_status) makes the constructor raise ("refuse", the default) or logs a warning and
+        is read ("warn"). `version=None` reads CURRENT, the published version; with no CURRENT there is none, and the
+        constructor raises (with "warn": reads the newest version, with a warning)."""
         if verify not in ("sizes", "digests"):
             raise ValueError(f"verify={verify!r}: use 'sizes' or 'digests'")
         if retired not in ("refuse", "index"):
             raise ValueError(f"retired={retired!r}: use 'refuse' or 'index'")
+        if unvalidated not in ("refuse", "warn"):
+            raise ValueError(f"unvalidated={unvalidated!r}: use 'refuse' or 'warn'")
         self.store = Store(store_root, store_options)
         self.store.check_readable()
         self.verify = verify
-        self.version = version or self.store.current() or (self.store.versions() or [None])[-1]
-        if self.version is None:
-            raise FileNotFoundError(f"no store version under {self.store.url}")
+        self.version = version or published_version(self.store, unvalidated)
         # The lease first, then the records: a deletion either sees this reader or marks before it reads them.
         self._lease = leases.ReaderLease(self.store, self.version, "training" if retired == "index" else "reading")
         try:
-            self._open(partial, dequantize, retired)
+            self._open(partial, dequantize, retired, unvalidated)
         except BaseException:
             self._lease.release()  # a reader that failed to open holds nothing (its traceback may live on)
             raise
 
-    def _open(self, partial: bool, dequantize: bool, retired: str) -> None:
+    def _open(self, partial: bool, dequantize: bool, retired: str, unvalidated: str) -> None:
         self._raise_on(check_version_attrs(self.store, self.version))
+        if why := validation_status(self.store, self.version):
+            msg = f"store version {self.store.loc.url_of(self.version)} is not validated: {why}"
+            if unvalidated == "refuse":
+                raise StoreError(f"{msg}. Refusing to read it: {unvalidated_fix(self.store, self.version)}")
+            log.warning("%s; reading it anyway (unvalidated='warn')", msg)
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
         self.precision = self.attrs.get("precision", "full")  # fp8 / int8: dequantized on read
@@ -125,7 +168,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 self.samples += [SampleRef(sid, unit, start, length) for sid, start, length in plan["samples"]]
                 continue
             problems = self._check_meta(unit)
-            self._raise_on([p for p in problems if p.kind == DAMAGED or not partial])
+            self._raise_on([p for p in problems if p.kind != INCOMPLETE or not partial])
             rec = self.store.commit_record(self.version, unit)
             self._files[unit] = rec.get("files") or {}
             committed = rec["committed_tokens"]
@@ -148,13 +191,17 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _raise_on(self, problems: list[Problem]) -> None:
         if problems:
-            p = problems[0]
-            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-            raise StoreError(
-                f"store {self.store.loc.url_of(self.version)}: unit {p.unit}, array {p.array}, file {p.file}: "
-                f"{p.what}{more}. Nothing of this version is read: `dflash-pipeline verify {self.store.url} "
-                f"--version {self.version}` lists every problem, and rerunning extract on this store repairs it"
-            )
+            raise self._error(problems)
+
+    def _error(self, problems: list[Problem]) -> StoreError:
+        p = problems[0]
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        return StoreError(
+            f"store {self.store.loc.url_of(self.version)}: unit {p.unit}, array {p.array}, file {p.file}: "
+            f"{p.what}{more}. Nothing of this version is read: `dflash-pipeline verify {self.store.url} "
+            f"--version {self.version} --repair` lists every problem and discards what is damaged, and rerunning "
+            "extract on this store then repairs it"
+        )
 
     def _check_files(self, unit: str) -> None:
         """Every file the unit's commit record lists: present with its committed size; with "digests" the
@@ -238,20 +285,38 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if self.verify == "digests":
             self._check_shards(ref.unit, ref.start, ref.start + ref.length)
         sl = slice(ref.start, ref.start + ref.length)
-        item = {
-            "sample_id": ref.sample_id,
-            "input_ids": torch.from_numpy(a["input_ids"][sl].astype("int64")),
-            "loss_mask": torch.from_numpy(a["loss_mask"][sl]).bool(),
-        }
-        for name in ("hidden", "last_hidden"):
-            if name not in a:
-                continue
-            if self.dequantize:
-                item[name] = read_rows(a, name, sl, self.logical, self.precision)
-            else:  # as stored, with the rows' scales
-                item[name] = torch.from_numpy(a[name][sl])
-                item[quant.SCALE_OF[name]] = torch.from_numpy(a[quant.SCALE_OF[name]][sl])
+        try:
+            item = {
+                "sample_id": ref.sample_id,
+                "input_ids": torch.from_numpy(a["input_ids"][sl].astype("int64")),
+                "loss_mask": torch.from_numpy(a["loss_mask"][sl]).bool(),
+            }
+            for name in ("hidden", "last_hidden"):
+                if name not in a:
+                    continue
+                if self.dequantize:
+                    item[name] = read_rows(a, name, sl, self.logical, self.precision)
+                else:  # as stored, with the rows' scales
+                    item[name] = torch.from_numpy(a[name][sl])
+                    item[quant.SCALE_OF[name]] = torch.from_numpy(a[quant.SCALE_OF[name]][sl])
+        except Exception as e:  # noqa: BLE001 - zarr's decode errors name no file: say which unit, array and file
+            raise self._read_error(ref, a, sl, e) from e
         return item
+
+    def _read_error(self, ref: SampleRef, arrays: dict, sl: slice, e: Exception) -> StoreError:
+        """The StoreError for a failed read of sample `ref`: each array is read again one stored file (shard or
+        chunk) at a time to find the first that cannot be decoded."""
+        for name, arr in arrays.items():
+            step = arr.shards[0] if getattr(arr, "shards", None) else arr.chunks[0]
+            for i in range(sl.start // step, (sl.stop - 1) // step + 1):
+                try:
+                    arr[max(sl.start, i * step) : min(sl.stop, (i + 1) * step)]
+                except Exception as err:  # noqa: BLE001
+                    f = f"units/{ref.unit}/{name}/c/" + "/".join([str(i)] + ["0"] * (arr.ndim - 1))
+                    what = f"cannot be decoded ({type(err).__name__}: {err}) reading sample {ref.sample_id}"
+                    return self._error([Problem(ref.unit, name, f, what)])
+        what = f"cannot be read ({type(e).__name__}: {e}) reading sample {ref.sample_id}"
+        return self._error([Problem(ref.unit, "-", f"units/{ref.unit}", what)])
 
 
 def read_rows(arrays, name: str, sl: slice, logical: str, precision: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from dflash_pipeline.storage.layout import (
     compressors,
     sharded_arrays,
 )
-from dflash_pipeline.storage.location import Location, open_location, resource_error
+from dflash_pipeline.storage.location import LocalLocation, Location, open_location, resource_error
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ IDENTITY_KEYS = (
     "hidden_size",
     "format_version",
 )
+# The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
+PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 # Identity attributes that versions written before they existed lack, and the value those versions have.
 IDENTITY_DEFAULTS = {"precision": "full"}
 
@@ -78,6 +81,7 @@ class PlanResult:
     repaired_units: list[str] = ()  # units that failed verification: discarded and planned again, as before
 
 
+DISCARDED = ".discarded"  # <version>/.discarded/: units `verify --repair` moved out of the store, until deleted
 BRIEF = "(brief)"  # in a store lock's holder: the holder will let go soon; a run may wait for it
 
 
@@ -180,6 +184,39 @@ class Store:
         log.info("created store version %s", self.loc.url_of(name))
         return name
 
+    def survey(self, provenance: dict[str, Any], dataset_fp: str, sample_ids: list[str]) -> PlanResult:
+        """What `resolve_version` + `plan_units` would find, changing nothing: for a run that validates without
+        extracting (only a run that extracts may repair, plan or delete). The version of this run's identity
+        that holds `dataset_fp`, its units not yet complete, and how many of `sample_ids` no unit holds. Damage
+        is not looked at here: validation reports it."""
+        provenance = {**provenance, "format_version": FORMAT_VERSION}
+        for v in reversed([v for v in self.versions() if not retention.read_record(self, v).get("prune")]):
+            attrs = self._repair_attrs(v, provenance, write=False)
+            if same_identity(attrs, provenance) and dataset_fp in attrs.get("dataset_fingerprints", []):
+                break
+        else:
+            raise StoreError(
+                f"no version of store {self.url} holds this run's prepared dataset {dataset_fp} extracted with this "
+                "run's model, layers, dtype and precision: add extract to stages to extract it"
+            )
+        assigned, pending = set(), []
+        for u in self.units(v):
+            try:
+                samples = self.unit_attrs(v, u)["samples"]
+                assigned.update(sid for sid, _, _ in samples)
+                complete = self.commit_record(v, u).get("complete")
+            except Exception:  # noqa: BLE001 - a damaged unit: validation reports it
+                continue
+            if not complete:
+                pending.append(UnitInfo(u, len(samples), sum(n for _, _, n in samples)))
+        for u in set(self.planned_units(v)) - set(self.units(v)):  # a unit directory gone: damage, not new samples
+            try:
+                assigned.update(sid for sid, _, _ in (self.plan_record(v, u) or {}).get("samples", []))
+            except Exception:  # noqa: BLE001
+                continue
+        new = sum(sid not in assigned for sid in sample_ids)
+        return PlanResult(v, self.loc.url_of(v), [], pending, len(self.units(v)), new)
+
     # ---- records that make the store verifiable (docs/STORE.md, "Integrity") ----------------------------
     def version_record(self, version: str) -> dict[str, Any] | None:
         return self.loc.read_json(f"{version}/{VERSION_RECORD}")
@@ -195,28 +232,56 @@ class Store:
             },
         )
 
-    def _repair_attrs(self, version: str, provenance: dict[str, Any]) -> dict[str, Any]:
+    def _repair_attrs(self, version: str, provenance: dict[str, Any], write: bool = True) -> dict[str, Any]:
         """The version's attributes, after restoring those that were altered on disk (their digest no longer
         matches the version record) from this run's provenance, where that matches the record: the values
-        the version was created with. Returns the attributes as they are then."""
-        attrs = self.attrs(version)
-        record = self.version_record(version)
-        if not record:
-            return attrs
-        recorded = record.get("attrs", {})
+        the version was created with. A version record that is missing, unreadable or contradicted while every
+        attribute it covers equals this run's provenance is the damaged one: it is rebuilt from those attributes.
+        Returns the attributes as they are then (`write=False`: as they would be, changing nothing)."""
+        attrs, prov = self.attrs(version), provenance
+        try:
+            record = self.version_record(version)
+        except ValueError:
+            record = None
+        recorded = record.get("attrs") if isinstance(record, dict) else None
+        if not isinstance(recorded, dict):
+            recorded = {}
         fixes = {
             k: provenance[k]
             for k, d in recorded.items()
             if k in provenance and digest.of_attr(attrs.get(k)) != d and digest.of_attr(provenance[k]) == d
         }
-        if fixes:
+        if fixes and write:
             log.warning(
                 "store version %s: attributes %s were altered on disk; restored from the version record",
                 self.loc.url_of(version),
                 sorted(fixes),
             )
             self.open_version(version, mode="r+").attrs.update(fixes)
-            attrs.update(fixes)
+        attrs.update(fixes)
+        want = digest.of_attrs(attrs, READER_ATTRS)
+        if (
+            write
+            and attrs.get("format_version") == FORMAT_VERSION
+            and recorded != want
+            and all(k in provenance and digest.of_attr(provenance[k]) == want.get(k) for k in READER_ATTRS)
+        ):
+            log.warning(
+                "store version %s: its version record %s was %s; every attribute it covers equals this run's "
+                "provenance, so it is rebuilt from them",
+                self.loc.url_of(version),
+                VERSION_RECORD,
+                "missing or unreadable" if not recorded else "contradicted by them",
+            )
+            self._write_version_record(version)
+        elif write and not recorded and attrs.get("format_version") == FORMAT_VERSION and same_identity(attrs, prov):
+            differ = [k for k in READER_ATTRS if k in provenance and digest.of_attr(provenance[k]) != want.get(k)]
+            raise StoreError(
+                f"store version {self.loc.url_of(version)}: its version record {VERSION_RECORD} is missing or "
+                f"unreadable, and attributes {differ} differ from this run's, so nothing says which are right and "
+                "the record cannot be rebuilt: rerun with the run that made the version (its run_config attribute), "
+                "or extract a new version (extract.new_version=true)"
+            )
         return attrs
 
     def _drop_empty_versions(self, versions: list[str]) -> list[str]:
@@ -426,33 +491,43 @@ class Store:
         """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
         that differ from the plan record, a unit directory missing) are discarded and created again from their
         plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
-        exactly those samples, bit for bit. Units that verify are not touched; a unit without commit record is
-        unfinished work, which its writer starts over. Content digests are checked by `dflash-pipeline verify
-        --repair`, which discards units whose bytes differ; this then recreates them too."""
-        from dflash_pipeline.storage.verify import damaged_units
+        exactly those samples, bit for bit. A plan record that the unit's committed attributes contradict (their
+        zarr.json equals its commit record's digest) is the damaged one: it is rewritten from them and the unit
+        is not touched. Units that verify are not touched; a unit without commit record is unfinished work, which
+        its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
+        units whose bytes differ; this then recreates them too."""
+        from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
 
-        damaged = damaged_units(self, version, digests=False)
+        report = verify_version(self, version, digests=False)
+        for line in rebuild_plan_records(self, report):
+            log.warning("store version %s: %s", self.loc.url_of(version), line)
+        damaged = report.damaged_units()
         for u, problems in damaged.items():
+            unit_url = self.loc.url_of(self._unit_rel(version, u))
             try:
                 plan = self.plan_record(version, u)
-            except ValueError:  # an unreadable plan record is rebuilt from the unit's own attributes
+            except ValueError:
                 plan = None
-            if plan is None:  # no usable plan record: the unit's own attributes are all there is
-                try:
-                    ua = self.unit_attrs(version, u)
-                    plan = {k: ua[k] for k in ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")}
-                except Exception as e:  # noqa: BLE001 - any failure to read it means there is nothing to rebuild from
-                    raise StoreError(
-                        f"unit {self.loc.url_of(self._unit_rel(version, u))} is damaged ({problems[0]}) and has no "
-                        f"plan record to rebuild it from ({type(e).__name__}: {e}); delete the unit directory and "
-                        "rerun to plan its samples again"
-                    ) from e
+            if not isinstance(plan, dict) or not all(k in plan for k in PLANNED_KEYS):
+                raise StoreError(
+                    f"unit {unit_url} is damaged ({problems[0]}) and has no intact plan record to rebuild it from: "
+                    "delete its directory and its plan record, and rerun to plan its samples again into a new unit"
+                )
             foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
             if foreign:
                 raise StoreError(
-                    f"unit {self.loc.url_of(self._unit_rel(version, u))} is damaged ({problems[0]}) and holds "
+                    f"unit {unit_url} is damaged ({problems[0]}) and holds "
                     f"{len(foreign)} samples that are not in this run's prepared dataset (e.g. {foreign[0]}); rerun "
                     "with the dataset it was made from (see the version's dataset_fingerprints) to repair it"
+                )
+            wrong = [(sid, n, lengths[row_of[sid]]) for sid, _, n in plan["samples"] if lengths[row_of[sid]] != n]
+            if wrong:
+                sid, n, m = wrong[0]
+                raise StoreError(
+                    f"unit {unit_url} is damaged ({problems[0]}) and its plan record {self._plan_rel(version, u)} "
+                    f"contradicts the prepared dataset (sample {sid}: {n} tokens in the record, {m} prepared; "
+                    f"{len(wrong)} such samples), so it cannot be rebuilt from it: delete the unit's directory and "
+                    "its plan record, and rerun to plan those samples again into a new unit"
                 )
             log.warning(
                 "unit %s failed verification (%s); discarding it and extracting its %d samples again",
@@ -461,7 +536,6 @@ class Store:
                 len(plan["samples"]),
             )
             order = [row_of[sid] for sid, _, _ in plan["samples"]]
-            assert [lengths[i] for i in order] == [n for _, _, n in plan["samples"]], f"unit {u}: lengths changed"
             self._create_unit(
                 version,
                 u,
@@ -477,10 +551,44 @@ class Store:
 
     def discard_units(self, version: str, units: list[str]) -> None:
         """Delete these units' directories, keeping their plan records: the next extraction of this version
-        creates them again from the records and recomputes exactly their samples."""
+        creates them again from the records and recomputes exactly their samples.
+
+        A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed
+        out of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one
+        line: the file, the error, what state the unit is in)."""
         for u in units:
-            log.warning("discarding unit %s", self.loc.url_of(self._unit_rel(version, u)))
-            self.loc.rmtree(self._unit_rel(version, u))
+            rel = self._unit_rel(version, u)
+            log.warning("discarding unit %s", self.loc.url_of(rel))
+            if not isinstance(self.loc, LocalLocation):
+                try:
+                    self.loc.rmtree(rel)
+                except OSError as e:
+                    raise StoreError(
+                        f"could not delete unit {self.loc.url_of(rel)} ({type(e).__name__}: {e}); delete it by hand, "
+                        "then rerun extract to rebuild it from its plan record"
+                    ) from e
+                continue
+            src = Path(self.loc.url_of(rel))
+            if not src.exists():
+                continue
+            trash = Path(self.loc.url_of(f"{version}/{DISCARDED}"))
+            dst = trash / f"{u}.{time.time_ns()}"
+            try:
+                trash.mkdir(exist_ok=True)
+                os.rename(src, dst)
+            except OSError as e:
+                raise StoreError(
+                    f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
+                    "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
+                ) from e
+            errors: list[str] = []
+            shutil.rmtree(dst, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
+            if errors:
+                raise StoreError(
+                    f"unit {u} was discarded (moved out of the store to {dst}, so a rerun of extract rebuilds it from "
+                    f"its plan record), but {len(errors)} of its files could not be deleted, e.g. {errors[0]}: delete "
+                    f"{dst} once they can be (e.g. after `chattr -i`)"
+                )
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]

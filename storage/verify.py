@@ -10,7 +10,9 @@ The records checked (docs/STORE.md, "Integrity"):
 Each problem is one `Problem` (unit, array, file, what); nothing here raises on damaged data. `kind` tells
 damage ("damaged": a rerun of extract discards the unit and extracts its samples again) from work not yet
 done ("incomplete": a rerun resumes it) and from data that retention deleted on purpose ("retired": the
-version's `retention.json` says when, by whom and why; a rerun of extract re-extracts it).
+version's `retention.json` says when, by whom and why; a rerun of extract re-extracts it) and from a damaged
+record whose data are intact ("record": a plan record the committed attributes contradict, a missing version
+record; repaired by rewriting the record, never by deleting data).
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ from dflash_pipeline.storage import digest, retention
 from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
 from dflash_pipeline.storage.store import Store
 
-DAMAGED, INCOMPLETE, RETIRED = "damaged", "incomplete", "retired"
+DAMAGED, INCOMPLETE, RETIRED, RECORD = "damaged", "incomplete", "retired", "record"
+REBUILD_PLAN = "`dflash-pipeline verify <store> --repair`, or a rerun of extract, rewrites it from them"
+REBUILD_VERSION_RECORD = (
+    "a rerun of extract with the same run (same model, layers, dtype and dataset) rebuilds it from the run's "
+    "provenance, where every attribute it covers equals the run's"
+)
+CANNOT_REBUILD = (
+    "nothing records which samples it held, so it cannot be rebuilt: delete the unit's directory and its plan "
+    "record, and a rerun of extract plans those samples again into a new unit"
+)
+VALIDATION = "validation.json"  # <version>/validation.json: the last validation report of the version
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 
 
@@ -68,6 +80,7 @@ class VerifyReport:
         how = "sizes and XXH3-128 digests" if self.digests else "presence and sizes"
         rate = f", {self.bytes / max(self.seconds, 1e-9) / 1e9:.2f} GB/s" if self.digests else ""
         unfinished = len({p.unit for p in self.problems if p.kind == INCOMPLETE})
+        records = sum(p.kind == RECORD for p in self.problems)
         deleted = [p for p in self.problems if p.kind == RETIRED]
         if self.ok:
             verdict = "healthy"
@@ -77,6 +90,10 @@ class VerifyReport:
             verdict = (
                 f"{len(self.problems)} problems: {len(self.damaged_units())} damaged units, {unfinished} unfinished"
             )
+            if records:
+                verdict += f", {records} damaged records of intact data (repaired by rewriting them, see above)"
+            if any(p.kind == DAMAGED and p.unit == "-" for p in self.problems):
+                verdict += ", the version's own records or attributes damaged (see above)"
             if deleted:
                 verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
         return (
@@ -95,20 +112,23 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     try:
         record = store.version_record(version)
     except (ValueError, OSError) as e:
-        return [Problem("-", "-", VERSION_RECORD, f"version record unreadable: {e}")]
+        return [Problem("-", "-", VERSION_RECORD, f"version record unreadable: {e}; {REBUILD_VERSION_RECORD}", RECORD)]
     try:
         attrs = store.attrs(version)
     except Exception as e:  # noqa: BLE001 - a damaged zarr.json is a finding, not a crash
         return [Problem("-", "-", "zarr.json", f"version attributes unreadable: {type(e).__name__}: {e}")]
+    if record is not None and not isinstance(record.get("attrs") if isinstance(record, dict) else None, dict):
+        what = f"version record unreadable: no attrs digests in {_short(record)}; {REBUILD_VERSION_RECORD}"
+        return [Problem("-", "-", VERSION_RECORD, what, RECORD)]
     if record is None:
         if attrs.get("format_version") == 1:
             what = (
                 "store format 1: written before integrity records existed, so nothing in it can be verified. "
                 "Extract it again (extract.new_version=true writes a format-2 version beside it)"
             )
-        else:
-            what = "version record missing: the version's attributes cannot be checked"
-        return [Problem("-", "-", VERSION_RECORD, what)]
+            return [Problem("-", "-", VERSION_RECORD, what)]
+        what = f"version record missing, so the version's attributes cannot be checked; {REBUILD_VERSION_RECORD}"
+        return [Problem("-", "-", VERSION_RECORD, what, RECORD)]
     problems = []
     for k, d in sorted(record.get("attrs", {}).items()):
         if k not in attrs:
@@ -120,7 +140,8 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
                     "-",
                     "zarr.json",
                     f"version attribute {k} was altered (now {_short(attrs[k])}; its XXH3-128 "
-                    f"{digest.of_attr(attrs[k])} differs from the version record's {d})",
+                    f"{digest.of_attr(attrs[k])} differs from the version record's {d}); a rerun of extract with "
+                    "the same run restores whichever of the two differs from the run's provenance",
                 )
             )
     missing = [k for k in READER_ATTRS if k in attrs and k not in record.get("attrs", {})]
@@ -138,18 +159,30 @@ def check_unit(
     store: Store, version: str, unit: str, capture_last: bool, digests: bool, precision: str = "full"
 ) -> tuple[list[Problem], int, int]:
     """(problems, files checked, bytes of the committed files) of one unit. `precision`: the version's
-    (a compact one adds the scale arrays, whose shards are committed like the data's)."""
+    (a compact one adds the scale arrays, whose shards are committed like the data's).
+
+    The records are checked against each other before a unit is blamed: when the unit's attributes and its
+    plan record disagree (or the plan record is missing or unreadable), the unit's zarr.json is compared with
+    the digest its commit record holds; if they match, the attributes are as committed and the plan record is
+    the damaged one (kind "record": repaired by rewriting it, never by touching the unit)."""
     rel = f"units/{unit}"
     unit_rel = f"{version}/{rel}"
+    plan_rel = f"{PLANS}/{unit}.json"
     P = lambda file, what, kind=DAMAGED, array=None: Problem(  # noqa: E731
         unit, array or _array_of(file), f"{rel}/{file}" if file else rel, what, kind
     )
+    plan_problem = None  # why the plan record does not vouch for the unit's attributes
     try:
         plan = store.plan_record(version, unit)
+        if plan is not None and not isinstance(plan, dict):
+            raise ValueError(f"not a JSON object: {_short(plan)}")
     except (ValueError, OSError) as e:
-        return [Problem(unit, "-", f"{PLANS}/{unit}.json", f"plan record unreadable: {e}")], 0, 0
+        plan, plan_problem = None, f"plan record unreadable: {e}"
     if not store.loc.exists(f"{unit_rel}/zarr.json"):
-        n = len(plan["samples"]) if plan else "?"
+        if plan is None:
+            what = f"unit directory missing or not a zarr group, and its {plan_problem or 'plan record is missing'}"
+            return [P("", what + f": {CANNOT_REBUILD}")], 0, 0
+        n = len(plan.get("samples") or [])
         return [P("", f"unit directory missing or not a zarr group (planned with {n} samples)")], 0, 0
     try:
         attrs = store.unit_attrs(version, unit)
@@ -163,23 +196,38 @@ def check_unit(
         )
     problems: list[Problem] = []
     if plan is None:
-        problems.append(
-            Problem(unit, "-", f"{PLANS}/{unit}.json", "plan record missing: its attributes cannot be checked")
-        )
+        plan_problem = plan_problem or "plan record missing"
     else:
-        for k in PLANNED_KEYS:
-            if attrs.get(k) != plan.get(k):
-                problems.append(
-                    P(
-                        "zarr.json",
-                        f"attribute {k} differs from the plan record ({_short(attrs.get(k))} != {_short(plan.get(k))})",
-                    )
-                )
-    problems += _check_sample_table(attrs, P)
+        diffs = [k for k in PLANNED_KEYS if attrs.get(k) != plan.get(k)]
+        if diffs:
+            k = diffs[0]
+            plan_problem = (
+                f"attribute {k} differs from the plan record ({_short(attrs.get(k))} != {_short(plan.get(k))})"
+                + (f" (and {diffs[1:]})" if len(diffs) > 1 else "")
+            )
     try:
         rec = store.loc.read_json(f"{unit_rel}/commit.json")
     except ValueError as e:
-        return problems + [P("commit.json", f"commit record unreadable: {e}")], 0, 0
+        rec, commit_problem = None, f"commit record unreadable: {e}"
+    else:
+        commit_problem = None
+    if plan_problem:
+        want = ((rec or {}).get("files") or {}).get("zarr.json") if isinstance(rec, dict) else None
+        got = (store.loc.digest_of(f"{unit_rel}/zarr.json") or {}).get(digest.ALGORITHM) if want else None
+        if want and got == want.get(digest.ALGORITHM) and not _check_sample_table(attrs, P):
+            what = (
+                f"{plan_problem}; the unit's zarr.json equals its commit record's digest, so its attributes are as "
+                f"committed and the plan record is the damaged one ({REBUILD_PLAN})"
+            )
+            problems.append(Problem(unit, "-", plan_rel, what, RECORD))
+        elif plan is None:
+            what = f"{plan_problem}, and the unit's attributes do not match its commit record: {CANNOT_REBUILD}"
+            problems.append(Problem(unit, "-", plan_rel, what))
+        else:
+            problems.append(P("zarr.json", plan_problem))
+    if commit_problem:
+        return problems + [P("commit.json", commit_problem)], 0, 0
+    problems += _check_sample_table(attrs, P)
     listing = store.loc.list_files(unit_rel) if digests is not None or rec is None else {}
     if rec is None:
         shards = [
@@ -296,3 +344,85 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
 def damaged_units(store: Store, version: str, digests: bool = False) -> dict[str, list[str]]:
     """{unit: its problems} of the units that fail verification (damage, not unfinished work)."""
     return verify_version(store, version, digests).damaged_units()
+
+
+def compression_of(store: Store, version: str, unit: str) -> str:
+    """The `compression` of a unit's arrays (zstd, lz4 or none), read from its `hidden` array's zarr.json (a file
+    its commit record covers)."""
+    meta = store.loc.read_json(f"{version}/units/{unit}/hidden/zarr.json") or {}
+    codecs = meta.get("codecs") or []
+    inner = codecs[0].get("configuration", {}).get("codecs", []) if codecs else []
+    for c in inner:
+        if c.get("name") == "blosc":
+            return c["configuration"]["cname"]
+    return "none"
+
+
+def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
+    """Rewrite every plan record that `report` found damaged while the unit's attributes are as committed
+    (problem kind "record" on plans/<unit>.json), from those attributes; the unit's files are not touched.
+    Returns one line per record rewritten."""
+    done = []
+    for p in report.problems:
+        if p.kind != RECORD or not p.file.startswith(f"{PLANS}/"):
+            continue
+        attrs = store.unit_attrs(report.version, p.unit)
+        plan = {k: attrs[k] for k in PLANNED_KEYS}
+        plan["compression"] = compression_of(store, report.version, p.unit)
+        store.loc.write_json_atomic(f"{report.version}/{p.file}", plan)
+        done.append(
+            f"rewrote {p.file} from unit {p.unit}'s committed attributes ({len(plan['samples'])} samples); "
+            "its data were not touched"
+        )
+    return done
+
+
+def validated_state(store: Store, version: str) -> dict[str, str]:
+    """What a validation vouches for: XXH3-128 of the version record and of each unit's commit record (which
+    covers every file of the unit), as canonical JSON. Recorded in validation.json as `state`."""
+    state = {"-": digest.of_attr(store.loc.read_json(f"{version}/{VERSION_RECORD}"))}
+    for u in store.units(version):
+        state[u] = digest.of_attr(store.loc.read_json(f"{version}/units/{u}/commit.json"))
+    return state
+
+
+def validation_status(store: Store, version: str) -> str | None:
+    """None when `version` passed validation and has not changed since; otherwise why it is not validated, as a
+    clause ("its validation failed: ...", "validation never ran on it", ...). A version that is CURRENT and has no
+    validation.json was published by a run that validated it before that record existed: validated."""
+    try:
+        rec = store.loc.read_json(f"{version}/{VALIDATION}")
+        if rec is not None and not isinstance(rec, dict):
+            raise ValueError(f"not a JSON object: {_short(rec)}")
+    except (ValueError, OSError) as e:
+        return f"its validation report {VALIDATION} is unreadable ({e})"
+    if rec is None:
+        return None if store.current() == version else "validation never ran on it (it has no validation.json)"
+    if rec.get("ok") is not True:
+        failed = [c for c in rec.get("checks") or [] if not c.get("ok")]
+        first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""
+        return f"its validation failed{first}"
+    state = rec.get("state")
+    if state is not None:
+        try:
+            now = validated_state(store, version)
+        except (ValueError, OSError) as e:
+            return f"its records cannot be read to compare with what validation checked ({e})"
+        try:  # units whose data retention deleted on purpose are not a change (readers refuse or index them)
+            gone = set(retention.retired(retention.read_record(store, version), sorted(set(now) | set(state))))
+        except StoreError:
+            gone = set()
+        changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
+        if changed:
+            return (
+                f"it changed since it passed validation ({'the version record' if '-' in changed else 'units'} "
+                f"{[u for u in changed if u != '-']} rewritten or extended since)"
+            )
+    return None
+
+
+def unvalidated_fix(store: Store, version: str) -> str:
+    return (
+        f"run the pipeline's validate stage on {store.url} (a run with extract and validate), or read it anyway: "
+        f"`HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, `dflash-pipeline verify --unvalidated`"
+    )

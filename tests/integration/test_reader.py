@@ -34,8 +34,8 @@ def test_reader_sees_only_committed_samples(clean_extraction, tmp_path):
     partial_rec = {**rec, "committed_tokens": cut, "complete": False, "files": files}
     (root / version / "units" / u / "commit.json").write_text(json.dumps(partial_rec))
     with pytest.raises(StoreError, match=f"unit {u}.*not complete: {cut} of"):
-        HiddenStateDataset(root, version)
-    partial = HiddenStateDataset(root, version, partial=True)
+        HiddenStateDataset(root, version, unvalidated="warn")
+    partial = HiddenStateDataset(root, version, partial=True, unvalidated="warn")
     visible = {s.sample_id for s in partial.samples if s.unit == u}
     assert visible == {sid for sid, start, length in attrs["samples"] if start + length <= cut}
     assert 0 < len(visible) < len(attrs["samples"])
@@ -44,7 +44,7 @@ def test_reader_sees_only_committed_samples(clean_extraction, tmp_path):
 
 
 def test_items_and_dataloader_workers(small_store):
-    ds = HiddenStateDataset(small_store.store)  # no CURRENT yet: the newest version
+    ds = HiddenStateDataset(small_store.store, unvalidated="warn")  # no CURRENT yet: the newest, with a warning
     item = ds[ds.index_of(ds.samples[5].sample_id)]
     t = len(item["input_ids"])
     assert item["hidden"].shape == (t, 3, 64) and item["last_hidden"].shape == (t, 64)
@@ -70,7 +70,7 @@ def test_store_reads_with_plain_zarr_as_documented(small_store):
         "conv_kernel": "transformers",
         "attn_implementation": None,
     }
-    ds = HiddenStateDataset(root, version)
+    ds = HiddenStateDataset(root, version, unvalidated="warn")
     n = 0
     for name, unit in g["units"].groups():
         commit = _json.load(open(f"{root}/{version}/units/{name}/commit.json"))
@@ -132,7 +132,7 @@ def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_pat
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    ds = HiddenStateDataset(root, version, verify="digests")
+    ds = HiddenStateDataset(root, version, verify="digests", unvalidated="warn")
     mine = [i for i, s in enumerate(ds.samples) if s.unit == u]
     in_first = [i for i in mine if ds.samples[i].start + ds.samples[i].length <= shard_tokens]
     in_second = [i for i in mine if ds.samples[i].start >= shard_tokens]
@@ -141,4 +141,70 @@ def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_pat
         ds[i]
     with pytest.raises(StoreError, match=f"units/{u}/hidden/c/1/0/0: content differs"):
         ds[in_second[0]]
-    assert len(HiddenStateDataset(root, version)) == 40  # sizes mode: same size, not noticed here
+    ds = HiddenStateDataset(root, version, unvalidated="warn")  # sizes mode: same size, not noticed at first open
+    for i in in_first:
+        ds[i]
+    # zarr's CRC32C catches it when read: one StoreError naming unit, array and file (zarr's own ValueError names none)
+    with pytest.raises(StoreError, match=f"unit {u}, array hidden, file units/{u}/hidden/c/1/0/0: cannot be decoded"):
+        ds[in_second[0]]
+
+
+@pytest.fixture(scope="module")
+def validated(small_store, tmp_path_factory):
+    """A copy of the small store whose version passed validation and is CURRENT (as a run with validate leaves
+    it), and its prepared dataset."""
+    from dflash_pipeline.config import ValidateConfig
+    from dflash_pipeline.extraction.validate import validate_store
+
+    root = tmp_path_factory.mktemp("validated") / "store"
+    shutil.copytree(small_store.store, root)
+    version = small_store.plan.version
+    r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=0))
+    assert r.ok, r.failures
+    (root / version / "validation.json").write_text(json.dumps(r.to_dict()))
+    Store(root).set_current(version)
+    return root, version
+
+
+def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys, caplog):
+    """The reader and verify refuse a version whose validation failed, never ran, or that changed since it passed
+    (or warn with unvalidated='warn' / --unvalidated); no CURRENT is said plainly, never the newest version."""
+    from dflash_pipeline.cli import main as cli
+
+    src, version = validated
+    root = tmp_path / "store"
+    shutil.copytree(src, root)
+    assert len(HiddenStateDataset(root)) == 60 and cli(["verify", str(root)]) == 0
+    report = root / version / "validation.json"
+    passed = report.read_text()
+
+    (root / "CURRENT").unlink()  # no CURRENT: no published version, whatever validation.json says
+    with pytest.raises(StoreError, match="no published version: CURRENT is missing"):
+        HiddenStateDataset(root)
+    capsys.readouterr()
+    assert cli(["verify", str(root)]) == 2
+    assert "no published version" in capsys.readouterr().err
+    assert len(HiddenStateDataset(root, version)) == 60  # named, and validated: read
+
+    failed = {**json.loads(passed), "ok": False}
+    failed["checks"][0] = {"check": "integrity", "ok": False, "detail": "unit u00001 ... damaged"}
+    report.write_text(json.dumps(failed))
+    Store(root).set_current(version)
+    with pytest.raises(StoreError, match="is not validated: its validation failed: integrity: unit u00001"):
+        HiddenStateDataset(root)
+    assert cli(["verify", str(root)]) == 1
+    assert "is not validated: its validation failed" in capsys.readouterr().out
+    assert cli(["verify", str(root), "--unvalidated"]) == 0
+    assert len(HiddenStateDataset(root, unvalidated="warn")) == 60
+    assert "reading it anyway" in caplog.text
+
+    report.unlink()  # never ran: only a CURRENT of a store from before validation.json existed is trusted without
+    (root / "CURRENT").unlink()
+    with pytest.raises(StoreError, match="validation never ran"):
+        HiddenStateDataset(root, version)
+
+    report.write_text(passed)  # passed, but a unit changed since (e.g. rebuilt by an extract without validate)
+    commit = root / version / "units/u00000/commit.json"
+    commit.write_text(json.dumps({**json.loads(commit.read_text()), "by": "someone else"}))
+    with pytest.raises(StoreError, match=r"changed since it passed validation \(units \['u00000'\]"):
+        HiddenStateDataset(root, version)
