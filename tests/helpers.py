@@ -16,6 +16,7 @@ from dflash_pipeline.config import RunConfig, load_config
 from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.extraction.validate import ValidationReport
 from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage.layout import ARRAYS
 from dflash_pipeline.storage.store import PlanResult, Store
@@ -28,6 +29,7 @@ class Extracted:
     report: ProbeReport
     plan: PlanResult
     result: WorkerResult
+    validation: ValidationReport | None = None  # extract_local(..., validate=True): the report that published it
 
     @property
     def store(self) -> str:
@@ -39,14 +41,18 @@ def config(out: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     return load_config(None, {**base, **(overrides or {})})
 
 
-def extract_local(out: Path, overrides: dict[str, Any] | None = None) -> Extracted:
-    """prepare + extract through the pipeline's own stage order, without Prefect, the worker in this process."""
-    cfg = config(out, {"stages": ["prepare", "extract"], **(overrides or {})})
+def extract_local(out: Path, overrides: dict[str, Any] | None = None, validate: bool = False) -> Extracted:
+    """prepare + extract through the pipeline's own stage order, without Prefect, the worker in this process.
+    The version is extracted, not validated: the default reader refuses it (read it with unvalidated="warn").
+    `validate=True` adds the validate stage, which publishes the version (CURRENT) the way a run does: a store
+    that readers and training read by default."""
+    stages = ["prepare", "extract", "validate"] if validate else ["prepare", "extract"]
+    cfg = config(out, {"stages": stages, **(overrides or {})})
     runner = LocalRunner()
     run_pipeline(cfg, runner)
     r = runner.results
-    workers = r["extract"] or [WorkerResult(device="cpu", units=[])]
-    return Extracted(cfg, r["prepare"], r["probe"], r["plan"], workers[0])
+    workers = r.get("extract") or [WorkerResult(device="cpu", units=[])]
+    return Extracted(cfg, r["prepare"], r["probe"], r["plan"], workers[0], r.get("validate"))
 
 
 # The kill tests' extraction: several units, several 273-token shards each, several batches per shard.

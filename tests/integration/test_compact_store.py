@@ -29,9 +29,13 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stores(model_dir, tmp_path_factory):
-    """The same samples extracted at full precision (float32 on CPU) and in each compact precision."""
+    """The same samples extracted at full precision (float32 on CPU) and in each compact precision, each validated
+    and published (CURRENT) as a run publishes it: what readers and training read by default."""
     root = tmp_path_factory.mktemp("compact")
-    return {p: extract_local(root / p, {**OVERRIDES, "extract.store_precision": p}) for p in ("full", "fp8", "int8")}
+    return {
+        p: extract_local(root / p, {**OVERRIDES, "extract.store_precision": p}, validate=True)
+        for p in ("full", "fp8", "int8")
+    }
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
