@@ -58,8 +58,10 @@ class DataConfig(Section):
     rows_per_shard: int = Field(50_000, ge=1, description="Rows per Arrow file of the prepared dataset.")
     encoding: str = Field(
         "auto",
-        description="Text encoding of a .jsonl/.json source, e.g. 'utf-8', 'latin-1'. 'auto': a byte-order mark "
-        "decides, else UTF-8 unless no non-ASCII line is UTF-8 (then detected). Undecodable lines are quarantined.",
+        description="Text encoding of a .jsonl/.json source, e.g. 'utf-8', 'latin-1', 'cp1252'. 'auto': a byte-order "
+        "mark decides (UTF-8/16/32), else UTF-8; a file none of whose non-ASCII lines is UTF-8 stops with an error "
+        "naming the byte and this setting (no code page is guessed). Undecodable lines in UTF-8 text are "
+        "quarantined with their byte offset.",
     )
     reasoning: Literal["supervise", "mask", "drop"] = Field(
         "supervise",

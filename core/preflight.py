@@ -7,13 +7,12 @@ completely, in the flow (deployments do not go through the CLI)."""
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.errors import CompatError, ConfigError, DataError, StoreError
+from dflash_pipeline.errors import ConfigError, DataError, StoreError
 
 
 def _writable_dir(path: str, field: str) -> None:
@@ -23,8 +22,10 @@ def _writable_dir(path: str, field: str) -> None:
         raise ConfigError(f"{field}={path}: {existing} is not a directory; choose a directory path")
     try:
         p.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-") as f:
+            f.write(b"\0" * 4096)  # an empty file needs no data block: it was created on a full disk too
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
         raise StoreError(
             f"{field}={path} is not writable ({e.strerror or e}); choose a directory you can write "
@@ -41,6 +42,7 @@ def preflight(cfg: RunConfig) -> None:
     """Raise the first problem found, naming the field, the value and the fix."""
     from dflash_pipeline.extraction.layers import select_layer_ids
     from dflash_pipeline.extraction.modelfiles import read_model_config
+    from dflash_pipeline.extraction.tokenizer import check_tokenizer_dir
 
     if not cfg.stages:
         raise ConfigError(
@@ -61,47 +63,10 @@ def preflight(cfg: RunConfig) -> None:
             "(tokenizer.json / tokenizer_config.json), or leave it unset to use the model's"
         )
     if tok and cfg.target.tokenizer_path != "embedded":
-        _check_tokenizer_dir(tok, "target.tokenizer_path", cfg.target.trust_remote_code)
+        check_tokenizer_dir(tok, "target.tokenizer_path", cfg.target.trust_remote_code)
     elif not tok and cfg.target.model_path != "embedded":
-        _check_tokenizer_dir(_local(cfg.target.model_path), "target.model_path", cfg.target.trust_remote_code)
+        check_tokenizer_dir(_local(cfg.target.model_path), "target.model_path", cfg.target.trust_remote_code)
     _check_data(cfg)
-
-
-# What AutoTokenizer loads a vocabulary from (fast: tokenizer.json; slow: sentencepiece, BPE, WordPiece, tiktoken).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt")
-# Where transformers finds a chat template: tokenizer_config.json's chat_template, or a file beside it.
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-
-
-def _check_tokenizer_dir(path: str, field: str, trust_remote_code: bool) -> None:
-    """Without these files transformers still builds some tokenizer and the run failed later with 'has no
-    chat_template'; name what is missing and the setting that fixes it."""
-    d = Path(path)
-    names = {f.name for f in d.iterdir()}
-    config = d / "tokenizer_config.json"
-    vocab = [n for n in names if n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model"))]
-    if not vocab and not trust_remote_code:
-        fix = (
-            "set target.tokenizer_path to the directory that has them (e.g. the original checkpoint's)"
-            if field == "target.model_path"
-            else "give target.tokenizer_path a directory that has them, or leave it unset to use the model's"
-        )
-        raise CompatError(
-            f"{field} {d} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}"
-            f"{', tokenizer_config.json' if 'tokenizer_config.json' not in names else ''}): {fix}"
-        )
-    if trust_remote_code or names & set(CHAT_TEMPLATE_FILES) or (d / "additional_chat_templates").is_dir():
-        return
-    try:
-        has_template = bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
-    except (OSError, ValueError, AttributeError):
-        return  # transformers says what is wrong with it
-    if not has_template:
-        raise CompatError(
-            f"the tokenizer in {d} has no chat template (no chat_template in tokenizer_config.json, no "
-            f"{' or '.join(CHAT_TEMPLATE_FILES)}): it is a base model's; set target.tokenizer_path to the chat "
-            "(instruct) model's tokenizer directory"
-        )
 
 
 PEEK_ROWS = 100  # rows of the data source read before the run: one usable conversation among them is enough

@@ -269,7 +269,8 @@ def probe(
     from dflash_pipeline.extraction.tokenizer import load_tokenizer, pad_token_id
 
     mc = read_model_config(model_path)
-    tok = load_tokenizer(tokenizer_path, target.trust_remote_code)
+    field = "target.tokenizer_path" if target.tokenizer_path else "target.model_path"
+    tok = load_tokenizer(tokenizer_path, target.trust_remote_code, field)
     text = mc.get("text_config") or mc  # multimodal checkpoints (qwen3_5) nest the language model
     num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
     layer_types = list(text.get("layer_types") or ["full_attention"] * num_layers)
@@ -292,7 +293,8 @@ def probe(
             ("accelerate", "accelerate"),
         )
     }
-    if hybrid and not kernels["flash-linear-attention"]:
+    gpu_run = any(d.startswith("cuda") for d in resolve_devices(extract.devices))
+    if hybrid and not kernels["flash-linear-attention"] and gpu_run:  # a CPU run has no GPU kernel to miss
         warnings.append(
             "flash-linear-attention is not installed: GDN layers use the PyTorch fallback "
             "(correct, ~35% slower on GPU). pip install flash-linear-attention"

@@ -69,3 +69,14 @@ def test_missing_and_corrupt_model_files(model_dir, tmp_path):
     with pytest.raises(CompatError, match="cannot load the target"):
         load_target(str(broken), "dtype", "float32", "cpu")
     json.loads((broken / "config.json").read_text())
+
+
+def test_a_model_directory_without_tokenizer_files_names_them_in_the_probe(model_dir, tmp_path):
+    """Deployments skip the CLI's pre-flight: the probe itself names the missing files and the setting (before, the
+    tokenizer transformers built anyway was reported as 'has no chat_template')."""
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{model_dir}/{f}", bare / f)
+    with pytest.raises(CompatError, match=r"target\.model_path .* has no tokenizer files .*target\.tokenizer_path"):
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(bare), str(bare))
