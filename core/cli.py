@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 
 def _quiet_libraries() -> None:
@@ -20,6 +21,9 @@ def _quiet_libraries() -> None:
     # in every child): importing transformers just to switch them off cost 4 s before the first check.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # torch's OpenMP threads sleep when idle instead of spinning, here and in every child (read when torch loads):
+    # a spinning thread takes a core another process needs (core/threads.py has the measurements).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -27,6 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.runguard import guarded_run
 
+    started = time.monotonic()
     try:
         cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
         from dflash_pipeline.preflight import preflight
@@ -38,9 +43,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             check_api(api)
         with guarded_run(debug=args.debug):  # SIGTERM/SIGHUP act as Ctrl-C; nothing outlives even a SIGKILL
+            server = _start_temporary_server()  # its ~10-20 s start overlaps the imports below
+            from dflash_pipeline import progress
             from dflash_pipeline.flows.pipeline import dflash_pipeline
 
-            summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
+            if server is not None:
+                server.join()
+            with progress.showing(progress.display_for(sys.stderr)):
+                summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
     except PipelineError as e:
         if args.debug:
             import traceback
@@ -69,17 +79,55 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(json.dumps(summary.to_dict(), indent=2, default=str))
-    print(
-        f"\noutputs under {summary.output_dir}; store: {summary.store} "
-        "(read it with dflash_pipeline.storage.reader.HiddenStateDataset, see docs/STORE.md)"
-    )
-    if summary.acceptance_length is not None:
-        print(
-            f"drafter: {summary.drafter}; acceptance length {summary.acceptance_length} tokens per "
-            f"target step (untrained drafter: {summary.untrained_acceptance_length})"
-        )
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2, default=str))
+    else:
+        print("\n".join(summary_lines(summary, time.monotonic() - started)))
     return 0
+
+
+def summary_lines(s, seconds: float) -> list[str]:
+    """The run's summary for people: what was produced, where, and the acceptance length (`--json`: all of it)."""
+    lines = [f"done in {seconds:.0f} s; outputs under {s.output_dir}"]
+    if s.current or s.version:
+        what = f"{s.new_samples:,} new samples, {s.tokens_extracted or 0:,} tokens extracted now" if s.version else ""
+        lines.append(
+            f"store: {s.store} version {s.current or s.version} ({what}; validation {s.validation or 'not run'}); "
+            "read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
+        )
+    if s.drafter:
+        lines.append(f"drafter: {s.drafter}" + (f" (final loss {s.final_loss:.3f})" if s.final_loss else ""))
+    if s.acceptance_length is not None:
+        base = s.untrained_acceptance_length
+        lines.append(
+            f"acceptance length {s.acceptance_length:.2f} tokens per target step"
+            + (f" (untrained drafter: {base:.2f})" if base is not None else "")
+        )
+    if s.reused:
+        lines.append(f"reused from earlier runs: {', '.join(s.reused)}")
+    return lines
+
+
+def _start_temporary_server():
+    """Start Prefect's temporary server on a thread now (a thread the caller joins before the flow starts), so that
+    its start (a fresh database's migrations: 10-20 s on 2 cores) overlaps importing torch, transformers and the
+    flow. None with a configured server (PREFECT_API_URL). A failure here is left to the flow, which starts the
+    server again and reports it."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    import threading
+
+    def start() -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow's own start says what went wrong
+            pass
+
+    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    thread.start()
+    return thread
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -208,10 +256,21 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _console_logging(args: argparse.Namespace) -> None:
+    """`run`: one progress display (core/progress.py) and, on the console, warnings and errors only (every record
+    with --verbose); the records still reach the Prefect UI. Other commands: every INFO record, as lines."""
+    if args.command == "run":
+        from dflash_pipeline.progress import ConsoleHandler, hide_gpu_notes_without_gpu
+
+        logging.basicConfig(level=logging.INFO, handlers=[ConsoleHandler(verbose=args.verbose)])
+        hide_gpu_notes_without_gpu()  # transformers' notes on missing GPU kernels, on a machine without a GPU
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "uvicorn", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline (prepare, probe, extract, validate, ...)")
@@ -224,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field, e.g. --set data.max_samples=100 (repeatable)",
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks (Prefect's and ours) for user errors")
+    run.add_argument("--json", action="store_true", help="print the run's summary as JSON (stdout), nothing else")
+    run.add_argument(
+        "-v", "--verbose", action="store_true", help="every log line on the console (default: stages and warnings)"
+    )
     run.set_defaults(fn=cmd_run)
     pl = sub.add_parser(
         "plan",
@@ -275,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     vf.set_defaults(fn=cmd_verify)
     args = parser.parse_args(argv)
+    _console_logging(args)
     _quiet_libraries()
     return args.fn(args)
 

@@ -16,16 +16,23 @@ scaled by the parameters a token passes through and by the GPU's dense bf16 peak
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import math
 import os
 import random
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from dflash_pipeline import threads as cpu_threads
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.errors import StoreError
@@ -33,11 +40,12 @@ from dflash_pipeline.extraction.modelfiles import read_model_config
 from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant, retention
-from dflash_pipeline.storage.commit import crash_points_off
+from dflash_pipeline.storage.commit import crash_points_off, write_atomic
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
 from dflash_pipeline.storage.store import Store, same_identity
 
 CALIBRATE_FORWARD_MAX_GIB = 2.0  # plan.calibration=auto runs the real target on the CPU up to this size
+CALIBRATION_VERSION = 1  # in the calibration's key: a change to how it is measured measures again
 
 # Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -122,6 +130,7 @@ class StoreEstimate:
     train_gpu_hours: float | None = None
     throughput_basis: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    calibration_reused: bool = False  # read back from an earlier calibration with the same key (planner.plan_dir)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,7 +159,8 @@ class StoreEstimate:
             f"store: layers {self.layers} x hidden {self.hidden_size}{' + last' if self.capture_last else ''}, "
             f"precision {self.precision} ({self.logical_dtype} on read), compression {self.compression}",
             f"bytes per token: {self.bytes_per_token:,.1f} on disk = {self.of_raw_bf16:.3f} of raw bf16 "
-            f"({self.raw_bf16_bytes_per_token:,}); calibrated: {self.calibration}",
+            f"({self.raw_bf16_bytes_per_token:,}); calibrated: {self.calibration}"
+            + (" (an earlier calibration with the same inputs, reused)" if self.calibration_reused else ""),
             f"store size: {self.store_bytes / gib:,.3f} GiB ({self.store_bytes:,} bytes, {self.units} units) "
             f"at {self.store}",
             f"disk: {room}",
@@ -223,18 +233,106 @@ def calibrate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logi
     """(data bytes per token, metadata bytes per sample, how it was measured): a calibration sample written into
     a scratch store as the run would write it (see the module doc). Metadata (zarr.json files with the sample
     tables, plan and commit records) is counted per sample: it grows with the sample tables."""
-    ds = load_prepared(prepared.path)
-    lengths = list(ds["seq_len"])
-    rows = _pick(lengths, cfg.plan.calibration_tokens)
+    return calibrate_reused(cfg, report, prepared, logical)[:3]
+
+
+def calibration_key(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str, mode: str) -> str:
+    """What decides a calibration's figures: the target and what is stored of it (target_identity), the prepared
+    dataset (its rows are the sample), how many tokens are sampled and how (forward or synthetic), and the store's
+    compression and chunking."""
+    x = cfg.extract
+    what = {
+        "calibration": CALIBRATION_VERSION,
+        "identity": target_identity(cfg, report, logical),
+        "prepared": prepared.fingerprint,
+        "mode": mode,
+        "tokens": cfg.plan.calibration_tokens,
+        "store": [x.compression, x.chunk_mib, x.shard_mib],
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def plan_dir(cfg: RunConfig) -> Path:
+    """Where the planner keeps its calibrations and, while it measures, its scratch store: under the run's
+    output_dir (never the system's temporary directory, which a SIGKILLed run would leave it in)."""
+    return Path(cfg.output_dir) / "plan"
+
+
+def calibrate_reused(
+    cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str
+) -> tuple[float, float, str, bool]:
+    """`calibrate`'s figures and whether they were reused: a calibration with the same key (calibration_key) is
+    read back from <output_dir>/plan/calibration-KEY.json instead of writing its sample again (a rerun, `plan`
+    then `run`)."""
     mode = cfg.plan.calibration
     if mode == "auto":
         mode = "forward" if report.weights_gib <= CALIBRATE_FORWARD_MAX_GIB else "synthetic"
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-plan-"))
+    root = plan_dir(cfg)
+    record = root / f"calibration-{calibration_key(cfg, report, prepared, logical, mode)}.json"
     try:
-        with crash_points_off():  # a scratch store: the kill tests' fault injection counts the real one only
-            return _calibrate_into(scratch, cfg, report, prepared, logical, ds, rows, mode)
+        done = json.loads(record.read_text())
+        return float(done["bytes_per_token"]), float(done["metadata_bytes_per_sample"]), done["how"], True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ds = load_prepared(prepared.path)
+    rows = _pick(list(ds["seq_len"]), cfg.plan.calibration_tokens)
+    with scratch_dir(root) as scratch, crash_points_off(), _quiet(scratch):
+        # crash_points_off: a scratch store; the kill tests' fault injection counts the real one only
+        per_token, meta, how = _calibrate_into(scratch, cfg, report, prepared, logical, ds, rows, mode)
+    if "failed" not in how:  # a forward that fell back to synthetic rows is measured again next time
+        doc = {"bytes_per_token": per_token, "metadata_bytes_per_sample": meta, "how": how}
+        write_atomic(record, json.dumps(doc, indent=1).encode())
+    return per_token, meta, how, False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def scratch_dir(root: Path) -> Iterator[Path]:
+    """A scratch directory `root/scratch-PID-*`, removed at the end; one that a killed process left behind (its pid
+    is gone) is removed first."""
+    root.mkdir(parents=True, exist_ok=True)
+    for left in root.glob("scratch-*"):
+        pid = left.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{os.getpid()}-", dir=root))
+    try:
+        yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+class _NotAbout(logging.Filter):
+    """Drops the INFO records of the calibration's own store and worker (they are not the run's store)."""
+
+    def __init__(self, thread: int):
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _quiet(scratch: Path) -> Iterator[None]:
+    flt = _NotAbout(threading.get_ident())
+    loggers = [logging.getLogger(f"dflash_pipeline.{n}") for n in ("storage.store", "extraction.extract")]
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
 
 
 def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mode) -> tuple[float, float, str]:
@@ -281,7 +379,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
             extract=x.model_copy(update={"store_writers": "threads", "compile": "off"}),
             store_dtype=logical,
             device="cpu",
-            threads=os.cpu_count() or 1,
+            threads=cpu_threads.for_hidden(report.hidden_size) or os.cpu_count() or 1,
         )
         try:
             run_worker(spec)
@@ -378,7 +476,7 @@ def _committed_tokens(cfg: RunConfig, report: ProbeReport, prepared: PrepareResu
 
 def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> StoreEstimate:
     """Every figure of the plan; nothing here touches a GPU."""
-    per_token, sample_meta, how = calibrate(cfg, report, prepared, logical)
+    per_token, sample_meta, how, reused = calibrate_reused(cfg, report, prepared, logical)
     tokens, k, h = prepared.n_tokens, len(report.layer_ids), report.hidden_size
     units = max(1, math.ceil(tokens / cfg.extract.unit_tokens))
     store_bytes = int(per_token * tokens + sample_meta * prepared.n_samples)
@@ -423,6 +521,7 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
         gpu=gpu,
         gpu_source=gpu_source,
         notes=notes,
+        calibration_reused=reused,
     )
     peak = _peak(gpu) if gpu else None
     if gpu and peak is None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_pipeline import progress as display
+from dflash_pipeline import threads as cpu_threads
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, prepare_dataset, template_fingerprint, tokenizer_fingerprint
 from dflash_pipeline.drafter.checkpoint import drafter_dir_lock
@@ -133,7 +135,7 @@ def regenerate(cfg: RunConfig, report: ProbeReport, progress: Callable[[RegenPro
             fmt=cfg.data.format,
             split=cfg.data.split,
             max_samples=cfg.data.max_samples,
-            progress=progress,
+            progress=display.tee("regenerate", progress, lambda p: (p.done, p.total), "conversations"),
         )
 
 
@@ -170,7 +172,7 @@ def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices:
     devices = devices or report.replicas
     report = pin_token_budget(Store(cfg.store, cfg.store_options), plan.version, report)  # bit-identical resume
     n_cpu = sum(d.startswith("cpu") for d in devices)
-    threads = max(1, (os.cpu_count() or 1) // max(n_cpu, 1))
+    threads = cpu_threads.for_hidden(report.hidden_size) or max(1, (os.cpu_count() or 1) // max(n_cpu, 1))
     return [
         WorkerSpec(
             store_root=cfg.store,
@@ -190,11 +192,12 @@ def worker_specs(cfg: RunConfig, report: ProbeReport, plan: PlanResult, devices:
 
 def extract(spec: WorkerSpec, progress: Callable[[Progress], None] | None = None) -> WorkerResult:
     """One worker: in a child process pinned to its device (extract.isolation=process), else in this one."""
+    shown = display.tee("extract", progress, lambda p: (p.tokens_done, p.tokens_total), "tokens", part=spec.name)
     if spec.extract.isolation == "process" and not spec.device.startswith("ray:"):
         from dflash_pipeline.extraction.procs import run_in_process
 
-        return run_in_process(spec, progress, spec.extract.worker_timeout_s)
-    return run_worker(spec, progress)
+        return run_in_process(spec, shown, spec.extract.worker_timeout_s)
+    return run_worker(spec, shown)
 
 
 def validate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str) -> ValidationReport:
@@ -268,7 +271,7 @@ def train(cfg: RunConfig, report: ProbeReport, version: str, progress=None) -> T
             report,
             cfg.drafter_dir,
             version=version,
-            progress=progress,
+            progress=display.tee("train", progress, lambda *a: (a[0], a[1]), "steps"),
             store_options=cfg.store_options,
         )
 
@@ -383,6 +386,7 @@ class RunSummary:
     final_loss: float | None = None
     acceptance_length: float | None = None
     untrained_acceptance_length: float | None = None
+    reused: list[str] = field(default_factory=list)  # what this run reused of earlier ones (core/progress.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -465,20 +469,31 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
     store = Store(cfg.store, cfg.store_options)
     if stages & {"extract", "validate"}:  # an unwritable or unreachable store fails now, before any work
         store.check_writable()
-    report = runner.probe(cfg)  # model, tokenizer and layer ids are checked before the data is touched
+    cpu_threads.apply(cpu_threads.for_model(target_paths(cfg)[0]))  # before any torch op of this run's threads
+    run = display.Run(display.stage_names(cfg))
+    summary.reused = run.reused  # filled as the stages end
+    with run.stage("probe", "model, tokenizer, layers, devices") as st:
+        report = runner.probe(cfg)  # model, tokenizer and layer ids are checked before the data is touched
+        st.said(report)
     summary.layer_ids = report.layer_ids
     if "regenerate" in stages or cfg.regenerate.enabled:
-        regenerated = runner.regenerate(cfg, report)  # the target's own answers replace the dataset's
+        with run.stage("regenerate", "the dataset's replies, by the target itself") as st:
+            regenerated = runner.regenerate(cfg, report)  # the target's own answers replace the dataset's
+            st.said(regenerated)
         cfg = cfg.model_copy(update={"data": regenerated_data(cfg)})
         summary.regenerated = regenerated.path
     prepared = None
     if stages & {"prepare", "extract", "validate"}:
-        prepared = runner.prepare(cfg, report)
+        with run.stage("prepare", "tokens and loss masks") as st:
+            prepared = runner.prepare(cfg, report)
+            st.said(prepared)
         summary.prepared = prepared.path
     if "extract" in stages:  # before any GPU work: refuse a store its disk cannot hold (plan.disk_check)
         from dflash_pipeline.planner import check_room
 
-        est = runner.estimate(cfg, report, prepared)
+        with run.stage("plan", "store size, disk room") as st:
+            est = runner.estimate(cfg, report, prepared)
+            st.said(est)
         summary.planned_store_bytes = est.store_bytes
         check_room(est, cfg)
     if stages & {"extract", "validate"}:
@@ -497,7 +512,9 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
             if "extract" in stages:
                 if cfg.extract.engine == "local":  # Ray's workers hold the GPUs of the nodes they run on
                     check_gpus_free(report.replicas)
-                results = runner.extract(cfg, report, plan_)
+                with run.stage("extract", f"hidden states into {plan_.version_path}") as st:
+                    results = runner.extract(cfg, report, plan_)
+                    st.said(plan_, results)
                 summary.tokens_extracted = sum(r.tokens for r in results)
                 summary.forward_passes = sum(r.forward_passes for r in results)
             elif plan_.pending_units or plan_.new_samples:
@@ -507,7 +524,9 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                     "unit: add extract to stages"
                 )
             if "validate" in stages:
-                validation = runner.validate(cfg, report, prepared, plan_.version)
+                with run.stage("validate", f"{plan_.version_path}") as st:
+                    validation = runner.validate(cfg, report, prepared, plan_.version)
+                    st.said(validation)
                 summary.validation = "PASS" if validation.ok else "FAIL"
                 raise_if_failed(validation)  # CURRENT stays where it was
                 store.set_current(plan_.version)  # readers follow CURRENT: only ever a validated version
@@ -523,13 +542,19 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                         f"no validated store version under {cfg.store} to train on: "
                         "run the extract and validate stages first"
                     )
-                trained = runner.train(cfg, report, version)
+                with run.stage("train", f"the drafter, on {version}") as st:
+                    trained = runner.train(cfg, report, version)
+                    st.said(trained)
                 summary.drafter, summary.final_loss = trained.export_dir, trained.final_loss
                 if cfg.retention.mode != "keep":  # off by default: then nothing is ever deleted
-                    kept = runner.retain(cfg, version, trained.export_dir)
+                    with run.stage("retain", f"retention.mode={cfg.retention.mode}") as st:
+                        kept = runner.retain(cfg, version, trained.export_dir)
+                        st.said(kept)
                     summary.retention, summary.bytes_freed = kept.line(), kept.bytes_freed
             if "evaluate" in stages:
-                acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
+                with run.stage("evaluate", "acceptance length on held-out prompts") as st:
+                    acceptance = runner.evaluate(cfg, report, summary.drafter or str(cfg.drafter_dir / "export"))
+                    st.said(acceptance)
                 summary.acceptance_length = round(acceptance.acceptance_length, 3)
                 untrained = acceptance.untrained_acceptance_length
                 summary.untrained_acceptance_length = round(untrained, 3) if untrained is not None else None

@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dflash_pipeline import threads
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.extraction.extract import Progress, WorkerResult
 from dflash_pipeline.extraction.placement import replica_devices
@@ -154,6 +155,8 @@ def run_in_process(
         raise WorkerStopped(f"extraction worker on {device} not started: the run is being stopped")
     env, local_device = child_env(device)
     env[PARENT_ENV] = str(os.getpid())
+    if spec.threads:  # a small model's worker: its threads before torch loads (core/threads.py)
+        env.update(threads.env(spec.threads))
     spec_path = write_spec(replace(spec, device=local_device, label=device))
     tail: deque[str] = deque(maxlen=40)
     outcome: dict[str, Any] = {}

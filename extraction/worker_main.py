@@ -82,6 +82,9 @@ def main(spec_path: str) -> int:
     Path(spec_path).unlink(missing_ok=True)
     import torch
 
+    from dflash_pipeline.progress import hide_gpu_notes_without_gpu
+
+    hide_gpu_notes_without_gpu()  # transformers' notes on GPU kernels, on a machine without a GPU
     handler = _ToParent(level=logging.INFO)
     logging.getLogger(PACKAGE_LOGGER).addHandler(handler)
     logging.getLogger(PACKAGE_LOGGER).setLevel(logging.INFO)

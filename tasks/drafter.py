@@ -32,14 +32,12 @@ from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, 
 )
 def regenerate_task(cfg: RunConfig, report: ProbeReport) -> RegenerateResult:
     """Rewrite the assistant turns with the target itself (resumable: a retry continues the file)."""
-    log = run_logger()
     artifact_id = create_progress_artifact(
         progress=0.0, key=artifact_key("regenerate-progress"), description="conversations regenerated"
     )
 
-    def progress(p: RegenProgress) -> None:
+    def progress(p: RegenProgress) -> None:  # the line itself is logged by drafter/regen_output.py (UI included)
         update_progress_artifact(artifact_id=artifact_id, progress=100.0 * p.done / max(p.total, 1))
-        log.info("%s", p.line())
 
     res = stages.regenerate(cfg, report, progress=progress)
     update_progress_artifact(artifact_id=artifact_id, progress=100.0)

@@ -1,0 +1,58 @@
+"""What `dflash-pipeline run` prints, off a terminal (issue 32): a line per stage as it starts and ends, a few
+progress lines, no duplicates, no GPU-kernel notes on a CPU run, the summary once; `--json` prints the summary as
+JSON and nothing else on stdout; a rerun of the finished run says what it reused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from tests.serving import CLEAN_ENV, ROOT, SMALL, TINY_TRAINING
+
+SETTINGS = {**SMALL, **TINY_TRAINING, "data.max_samples": 16, "regenerate.max_new_tokens": 8}
+
+
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    sets = [f"--set={k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in SETTINGS.items()]
+    env = {**CLEAN_ENV, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env.pop("PREFECT_API_URL", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.cli", "run", "--config", str(ROOT / "configs" / "embedded.yaml")]
+        + sets
+        + [f"--set=output_dir={out}", *extra],
+        env=env,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_the_console_of_a_run_and_of_its_rerun(tmp_path, model_dir):
+    out = tmp_path / "run"
+    res = _run(out)
+    lines = [line for line in (res.stderr + res.stdout).splitlines() if line.strip()]
+    assert len(lines) <= 40, "\n".join(lines)
+    repeated = [line for line, n in Counter(lines).items() if n > 1]
+    assert not repeated, repeated
+    names = ["probe", "regenerate", "prepare", "plan", "extract", "validate", "train", "evaluate"]
+    for i, name in enumerate(names, 1):
+        starts = [x for x in lines if x.startswith(f"[{i}/8] {name} ...")]
+        ends = [x for x in lines if x.startswith(f"[{i}/8] {name}: ") and x.endswith(" s)")]
+        assert len(starts) == 1 and len(ends) >= 1, (name, lines)
+    text = res.stderr + res.stdout
+    for noise in ("falling back", "flash-linear-attention", "train step", "Finished in state", "{"):
+        assert noise not in text, (noise, text)
+    assert res.stdout.count("acceptance length") == 1 and res.stdout.count(str(out / "store")) == 1
+    assert res.stdout.splitlines()[0].startswith("done in ")
+
+    again = _run(out, "--json")  # the finished run again: what it already did is reused
+    summary = json.loads(again.stdout)  # stdout is the JSON summary, nothing else
+    assert summary["validation"] == "PASS" and summary["tokens_extracted"] == 0
+    assert "(calibration reused)" in again.stderr and "nothing to extract" in again.stderr
+    assert "reused: all" in again.stderr  # regenerate
