@@ -227,6 +227,7 @@ class BarDisplay:
             TimeRemainingColumn(),
             console=self.console,
             transient=True,
+            refresh_per_second=4,  # gentle on a busy machine
         )
         self._tasks: dict[str, int] = {}
         self.bars.start()
