@@ -13,10 +13,11 @@ import torch
 
 from dflash_pipeline.config import load_config
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.shardio import SharedBuffers
 from dflash_pipeline.storage.store import Store
-from tests.helpers import KILL_OVERRIDES, assert_same_store, extract_local, run_extract_proc, snapshot
+from tests.helpers import KILL_OVERRIDES, assert_same_store, config, extract_local, run_extract_proc, snapshot
 from tests.s3server import BUCKET, closed_port
 
 
@@ -30,8 +31,9 @@ def test_extraction_on_s3_equals_local_and_reads_back(s3, clean_extraction, tmp_
         snapshot(Store(clean_extraction.store), clean_extraction.plan.version), snapshot(store, ex.plan.version)
     )
 
-    local = HiddenStateDataset(clean_extraction.store, clean_extraction.plan.version)
-    ds = HiddenStateDataset(s3.url("same"), store_options=s3.options)
+    # what extraction wrote, not validated: read with unvalidated="warn"
+    local = HiddenStateDataset(clean_extraction.store, clean_extraction.plan.version, unvalidated="warn")
+    ds = HiddenStateDataset(s3.url("same"), ex.plan.version, store_options=s3.options, unvalidated="warn")
     assert len(ds) == len(local) == 40 and ds.layer_ids == [1, 3, 5]
     for i in (0, 17, 39):
         a, b = ds[i], local[local.index_of(ds.samples[i].sample_id)]
@@ -84,7 +86,10 @@ def test_killed_extraction_on_s3_resumes_bit_identical(s3, clean_extraction, tmp
     assert_same_store(
         snapshot(Store(clean_extraction.store), clean_extraction.plan.version), snapshot(store, store.versions()[0])
     )
-    assert len({s.sample_id for s in HiddenStateDataset(s3.url("killed"), store_options=s3.options).samples}) == 40
+    resumed_ds = HiddenStateDataset(
+        s3.url("killed"), resumed.plan.version, store_options=s3.options, unvalidated="warn"
+    )
+    assert len({s.sample_id for s in resumed_ds.samples}) == 40
     # the rerun removed the killed worker's shared buffers, and its own when it ended
     assert set(shm.glob(f"{SharedBuffers.PREFIX}*")) <= shm_before
 
@@ -95,14 +100,17 @@ def test_versions_snapshot_current_and_prune_on_s3(s3, tmp_path, model_dir):
         {"layers.preset": "explicit", "layers.ids": [1, 3], "extract.unit_tokens": 1500, "extract.incremental": True},
     )
     store = Store(s3.url("versions"), s3.options)
-    first = extract_local(tmp_path, {**base, "data.max_samples": 30})
-    store.set_current(first.plan.version)
+    first = extract_local(tmp_path, {**base, "data.max_samples": 30}, validate=True)  # validated: CURRENT
+    assert first.validation.ok and store.current() == first.plan.version == "v0001"
     second = extract_local(tmp_path, {**base, "data.max_samples": 40})
     assert (second.plan.version, second.plan.new_samples) == ("v0002", 10)
     assert second.result.tokens == sum(u.n_tokens for u in second.plan.new_units)  # old units copied, not redone
     assert store.current() == "v0001" and store.versions() == ["v0001", "v0002"]
     assert len(HiddenStateDataset(s3.url("versions"), store_options=s3.options)) == 30  # CURRENT
-    store.set_current("v0002")
+    with pytest.raises(StoreError, match="v0002 is not validated: validation never ran"):
+        HiddenStateDataset(s3.url("versions"), "v0002", store_options=s3.options)
+    run_pipeline(config(tmp_path, {**base, "data.max_samples": 40, "stages": ["prepare", "validate"]}), LocalRunner())
+    assert store.current() == "v0002"  # validated (validation only looks: nothing extracted) and published
     assert store.prune(keep=1) == ["v0001"] and store.versions() == ["v0002"]
     ds = HiddenStateDataset(s3.url("versions"), store_options=s3.options)  # the copies outlive their source
     assert ds.version == "v0002" and len(ds) == 40 and ds[0]["hidden"].shape[1] == 2
