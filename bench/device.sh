@@ -11,24 +11,31 @@
 # detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU:
 # extraction and DDP training), conv (the hybrid kernels' error per layer against float32: fla's convolution, the
 # fused GDN forward), disk (write the fresh disk once before measuring the pipeline: `bash bench/device.sh disk
-# extract`).
+# extract`), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
+# target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
+# wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
 set -euo pipefail
 WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
         pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 fla-core==0.6.0)
+# bench/realtext/pipeline.py runs the prepare stage on the GPU host: `datasets` and what it needs beyond the image.
+REALTEXT_WHEELS=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0)
+WHEEL_DIR=${WHEEL_DIR:-.whl}
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 
 if [[ ${1:-} == wheels ]]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  # realtext: no fla-core (the real-text runs use transformers' own Gated DeltaNet: no Triton warm-up), plus datasets
+  [[ ${2:-} == realtext ]] && WHEELS=("${WHEELS[@]/fla-core==*/}" "${REALTEXT_WHEELS[@]}")
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "${WHEELS[@]}"
-  ls .whl
+    -d "$WHEEL_DIR" ${WHEELS[@]}
+  ls "$WHEEL_DIR"
   exit 0
 fi
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -61,6 +68,16 @@ for step in "$@"; do
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
+    # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
+    realtext-target) python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-6}" \
+                       --deadline-s "${RT_DEADLINE:-520}" 2>&1 | tee "$OUT/target_log.txt"
+                     cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json "$OUT/" ;;
+    realtext-pipeline | realtext-resume)
+      stages=""; [[ $step == realtext-resume ]] && stages="--stages probe,train,evaluate"
+      (cd .. && python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s "${RT_DEADLINE:-540}" \
+         --eval-reserve-s "${RT_EVAL_RESERVE:-150}" $stages --report "$OUT/pipeline_report.json" 2>&1 \
+         | tee "$OUT/${step}_log.txt")
+      cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
