@@ -10,7 +10,8 @@
   process (prepare, validate, training) is interrupted by the KeyboardInterrupt itself, and a dropped one is seen
   when that stage ends. Inside a flow run Prefect puts its own SIGTERM handler in place (it raises
   TerminationSignal); `stops_remembered` records a SIGTERM before that handler acts. Only the CLI's run is
-  guarded: a flow run started by a Prefect worker stops the way Prefect stops it.
+  guarded: a flow run started by a Prefect worker stops the way Prefect stops it, and also when that worker dies
+  (`watch_worker`: it gets SIGTERM, as from a cancel, and ends Crashed).
 - SIGKILL runs no handler at all. Extraction workers notice their parent's death on their own
   (extraction/worker_main.py); for everything else the run started (Prefect's temporary server above all) a
   small guard process watches this one: it remembers this process's descendants and, when this process is
@@ -69,7 +70,9 @@ def raise_if_stopped() -> None:
 @contextmanager
 def stops_remembered():
     """In a guarded run's main thread: a SIGTERM is recorded, then handed to the handler in place (inside a flow run,
-    Prefect's). Anywhere else nothing changes."""
+    Prefect's). In a flow run a Prefect worker started: the run stops when that worker dies (`watch_worker`)."""
+    if not _guarding and threading.current_thread() is threading.main_thread():
+        watch_worker()
     if not _guarding or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -90,6 +93,35 @@ def stops_remembered():
     finally:
         if signal.getsignal(signal.SIGTERM) is record:
             signal.signal(signal.SIGTERM, inner)
+
+
+WORKER_POLL_S = 0.5
+_watching: int | None = None  # the worker pid watch_worker watches
+
+
+def watch_worker() -> None:
+    """In a flow-run process a Prefect worker started (PREFECT__FLOW_RUN_ID): when the worker dies, whatever killed
+    it, send this process SIGTERM, as a cancel does (Prefect's handler ends the run Crashed and reports it; the flow
+    stops its extraction workers). The flow-run process is in a session of its own, so nothing else reaches it: a
+    SIGKILLed worker left it running unsupervised. A thread polls the parent pid (the kernel's parent-death signal
+    follows the worker's thread that spawned the process, which may end while the worker lives)."""
+    global _watching
+    parent = os.getppid()
+    if not os.environ.get("PREFECT__FLOW_RUN_ID") or _watching == parent or parent == 1:
+        return
+    _watching = parent
+
+    def poll() -> None:
+        while _watching == parent:
+            time.sleep(WORKER_POLL_S)
+            if os.getppid() != parent:
+                logging.getLogger("dflash_pipeline").error(
+                    "the Prefect worker (pid %d) that started this flow run is gone: stopping the run", parent
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=poll, name="watch-worker", daemon=True).start()
 
 
 class _NoUserErrorTraceback(logging.Filter):

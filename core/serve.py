@@ -5,9 +5,21 @@ end-to-end deployment test. Every started process runs in its own process group 
 `LocalPrefect.stop()` (SIGTERM to the group, SIGKILL after STOP_GRACE_S): the worker's group holds its flow-run
 processes, and their extraction workers exit when their flow-run process dies (extraction/worker_main.py).
 
-`serve` stops everything on SIGINT, SIGTERM and SIGHUP. A Prefect worker that dies (killed, OOM) is restarted;
-its flow-run processes get SIGTERM (they end Crashed, stopping their extraction workers). Only a dead server ends
-`serve`.
+No run is left Running in the database, holding its deployment's only concurrency slot, because the process that
+would have reported its end is gone:
+- `serve` stops on SIGINT, SIGTERM and SIGHUP in order: its worker first; the worker's flow runs notice and stop
+  (runguard.watch_worker: SIGTERM, as from a cancel; Prefect reports them Crashed, which frees their slots);
+  what is left after STOP_GRACE_S gets SIGKILL and is set Crashed through the API; then the server.
+- A Prefect worker that dies (killed, OOM) is restarted: its flow runs stop on their own (watch_worker), and
+  `settle_runs` sets Crashed those the database still shows active once their processes are gone.
+- After a SIGKILL of `serve` nothing could write the database (its server died with it: parent-death signal;
+  the guard stops the rest). The next `serve` on this host finds the runs its worker (WORKER_NAME, one name per
+  host) had taken and sets them Crashed before it starts a new worker.
+- On PostgreSQL (the team server, where workers on other machines run flows) Prefect's zombie detection covers a
+  worker machine that dies: flow runs of these deployments send heartbeats every HEARTBEAT_S
+  (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, deployments/prefect.yaml) and the automation ZOMBIE_AUTOMATION (a proactive
+  trigger of the server's triggers service) sets a run Crashed when ZOMBIE_WITHIN_S pass without one.
+Only a dead server ends `serve`.
 
 The server's database is SQLite under the Prefect home (one person, one box) unless a PostgreSQL URL is given
 (`serve --database`, or Prefect's own PREFECT_SERVER_DATABASE_CONNECTION_URL / PREFECT_API_DATABASE_CONNECTION_URL):
@@ -32,10 +44,19 @@ from pathlib import Path
 
 from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.runguard import parent_death_signal
+from dflash_pipeline.runguard import _descendants, _stat, _still, parent_death_signal
 
 POOL = "dflash"
 STOP_GRACE_S = 20.0
+# serve's own worker, one name per host: a restarted serve recognizes the runs its killed predecessor had taken.
+WORKER_NAME = f"dflash-serve@{socket.gethostname()}"
+ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING")
+# Zombie detection (PostgreSQL only): the heartbeat period is set for the deployments' flow runs in
+# deployments/prefect.yaml (job variable env); a run is crashed after ZOMBIE_WITHIN_S without a heartbeat (Prefect's
+# default period is 180 s: the automation matches only runs tagged `dflash`, whose deployments set HEARTBEAT_S).
+HEARTBEAT_S = 30
+ZOMBIE_WITHIN_S = 120
+ZOMBIE_AUTOMATION = "dflash: crash flow runs whose heartbeats stopped"
 
 # SQLite under the server's start-up burst (migrations, services, the CLI's first calls) answers "database is
 # locked" when a writer waits longer than the driver's timeout; give it room, and skip the services we never use.
@@ -45,6 +66,8 @@ SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_LOGGER_ENABLED": "false",
 }
+# On PostgreSQL the triggers service runs: zombie detection is an automation (module docstring).
+POSTGRES_DEFAULTS = {**SERVER_DEFAULTS, "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "true"}
 
 
 DATABASE_ENV = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
@@ -172,9 +195,13 @@ class LocalPrefect:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
+    @property
+    def on_postgres(self) -> bool:
+        return bool(self.database and self.database.startswith("postgresql"))
+
     def env(self) -> dict[str, str]:
         env = {
-            **SERVER_DEFAULTS,
+            **(POSTGRES_DEFAULTS if self.on_postgres else SERVER_DEFAULTS),
             **os.environ,
             "PREFECT_API_URL": self.api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -200,7 +227,7 @@ class LocalPrefect:
     def log_dir(self) -> Path:
         return Path(self.home or self.workdir / "runs") / "logs"
 
-    def _spawn(self, log_name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, log_name: str, *args: str, death_signal: int = signal.SIGTERM) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{log_name}.log", "ab")
         p = subprocess.Popen(
@@ -210,7 +237,7 @@ class LocalPrefect:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=parent_death_signal(os.getpid(), signal.SIGTERM) if self.die_with_parent else None,
+            preexec_fn=parent_death_signal(os.getpid(), death_signal) if self.die_with_parent else None,
         )
         self.procs.append(p)
         return p
@@ -251,8 +278,103 @@ class LocalPrefect:
     def worker(self) -> subprocess.Popen | None:
         return next((p for p in reversed(self.procs) if p.args[3:5] == ["worker", "start"]), None)
 
-    def start_worker(self) -> subprocess.Popen:
-        return self._spawn("worker", "worker", "start", "--pool", POOL, "--type", "process")
+    def start_worker(self, name: str | None = None) -> subprocess.Popen:
+        """A process worker of the pool; `name` (Prefect's label `prefect.worker.name` on the runs it takes). A
+        worker that serve started gets SIGKILL when serve dies (SIGTERM only makes it wait for its runs): its flow
+        runs then stop on their own (runguard.watch_worker)."""
+        named = ["--name", name] if name else []
+        return self._spawn(
+            "worker", "worker", "start", "--pool", POOL, "--type", "process", *named, death_signal=signal.SIGKILL
+        )
+
+    # ---- the database's view of runs whose processes are gone -------------------------------------------------
+    def api_call(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> object:
+        """One call of the server's REST API (no Prefect import: serve stays a plain supervisor)."""
+        req = urllib.request.Request(
+            f"{self.api_url}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = r.read()
+        return json.loads(data) if data else None
+
+    def active_runs(self, worker_name: str) -> list[dict]:
+        """Flow runs of the pool that the worker `worker_name` took and that are not final (Pending, Running,
+        Cancelling)."""
+        body = {
+            "flow_runs": {"state": {"type": {"any_": list(ACTIVE_STATES)}}},
+            "work_pools": {"name": {"any_": [POOL]}},
+            "limit": 200,
+        }
+        runs = self.api_call("POST", "/flow_runs/filter", body) or []
+        return [r for r in runs if (r.get("labels") or {}).get("prefect.worker.name") == worker_name]
+
+    def crash_run(self, run: dict, message: str) -> bool:
+        """Set a run Crashed (not forced: a run that reported its own end meanwhile keeps it). Leaving Running or
+        Pending frees its deployment concurrency slot (Prefect's ReleaseFlowConcurrencySlots)."""
+        body = {"state": {"type": "CRASHED", "name": "Crashed", "message": message}, "force": False}
+        res = self.api_call("POST", f"/flow_runs/{run['id']}/set_state", body) or {}
+        return res.get("status") == "ACCEPT"
+
+    def settle_runs(self, worker_name: str, why: str, grace_s: float = STOP_GRACE_S) -> list[dict]:
+        """The runs of a worker that is gone: wait up to `grace_s` for their processes to end (they notice the
+        worker's death: runguard.watch_worker), SIGKILL what is left, and set Crashed every run the database still
+        shows active. Returns the runs set Crashed. Only for a worker known dead (no live worker of that name)."""
+        try:
+            runs = self.active_runs(worker_name)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            print(f"could not read the runs of worker {worker_name} ({e})", file=sys.stderr)
+            return []
+        pids = {r["id"]: pid for r in runs if (pid := _flow_run_process(r))}
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = {i: p for i, p in pids.items() if _flow_run_process_alive(p, i)}
+            time.sleep(0.5)
+        for run_id, pid in pids.items():
+            if _flow_run_process_alive(pid, run_id):
+                _signal_group(pid, signal.SIGKILL)  # a flow-run process leads its own session
+        try:
+            return [r for r in self.active_runs(worker_name) if self.crash_run(r, f"Crashed: {why}")]
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            print(f"could not mark the runs of worker {worker_name} Crashed ({e})", file=sys.stderr)
+            return []
+
+    def ensure_zombie_automation(self) -> None:
+        """Prefect's zombie detection for the deployments' runs (PostgreSQL only; module docstring): created once."""
+        found = self.api_call("POST", "/automations/filter", {"automations": {"name": {"any_": [ZOMBIE_AUTOMATION]}}})
+        if found:
+            return
+        final = ["prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled"]
+        self.api_call(
+            "POST",
+            "/automations/",
+            {
+                "name": ZOMBIE_AUTOMATION,
+                "description": f"A flow run of the dflash deployments sends a heartbeat every {HEARTBEAT_S} s "
+                f"(PREFECT_FLOWS_HEARTBEAT_FREQUENCY); none for {ZOMBIE_WITHIN_S} s: its process is gone.",
+                "enabled": True,
+                "trigger": {
+                    "type": "event",
+                    "posture": "Proactive",
+                    "match": {"prefect.resource.id": "prefect.flow-run.*"},
+                    "match_related": {"prefect.resource.id": "prefect.tag.dflash", "prefect.resource.role": "tag"},
+                    "after": ["prefect.flow-run.heartbeat"],
+                    "expect": ["prefect.flow-run.heartbeat", *final, "prefect.flow-run.Crashed"],
+                    "for_each": ["prefect.resource.id"],
+                    "threshold": 1,
+                    "within": ZOMBIE_WITHIN_S,
+                },
+                "actions": [
+                    {
+                        "type": "change-flow-run-state",
+                        "state": "CRASHED",
+                        "message": f"Crashed: no heartbeat for {ZOMBIE_WITHIN_S} s (its worker or machine died)",
+                    }
+                ],
+            },
+        )
 
     def run_deployment(self, name: str, overrides: dict | None = None, job_env: dict[str, str] | None = None) -> str:
         """Trigger `dflash-pipeline/<name>` the way the README does (`-p overrides=...`); returns the flow-run id.
@@ -269,22 +391,38 @@ class LocalPrefect:
         raise PipelineError(f"no flow-run id in the output of `prefect deployment run`:\n{out}")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every group this started (worker first: its flow runs end before the server), and SIGINT to
-        each leader (a Prefect worker that has run a flow ignores SIGTERM: measured, it held serve's stop for the
-        whole grace; Ctrl-C stops it at once); SIGKILL to any group still there after `grace_s`."""
-        for p in reversed(self.procs):
-            _signal_group(p.pid, signal.SIGTERM)
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+        """Workers first, then the server, so that every run can still report its end: SIGTERM to each worker's
+        group and SIGINT to the worker (a Prefect worker turns SIGTERM into waiting for its runs; Ctrl-C stops it at
+        once). Its flow-run processes (each in a session of its own) notice and stop (runguard.watch_worker); what
+        is left after `grace_s` gets SIGKILL, and runs the server still shows active with their processes gone are
+        set Crashed (which frees their deployment's slot). Then the server the same way."""
+        server = self.server
+        workers = [p for p in reversed(self.procs) if p is not server]
+        runs: dict[int, int] = {}  # the workers' flow-run processes: pid -> start time
+        for p in workers:
+            runs.update(_descendants(p.pid))
         deadline = time.monotonic() + grace_s
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(p.pid, signal.SIGKILL)  # what the leader left in its group (flow-run processes)
-            p.wait()
+        _stop_groups(workers, deadline)
+        while _still(runs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in _still(runs):
+            _signal_group(pid, signal.SIGKILL)
+            _kill(pid)
+        if server is not None and server.poll() is None and runs:
+            self._crash_gone(set(runs))
+        if server is not None:
+            _stop_groups([server], time.monotonic() + grace_s)
         self.procs.clear()
+
+    def _crash_gone(self, pids: set[int]) -> None:
+        """Set Crashed the active runs whose flow-run process was one of `pids` (all gone by now)."""
+        try:
+            body = {"flow_runs": {"state": {"type": {"any_": list(ACTIVE_STATES)}}}, "limit": 200}
+            for r in self.api_call("POST", "/flow_runs/filter", body) or []:
+                if _flow_run_process(r) in pids:
+                    self.crash_run(r, "Crashed: dflash-pipeline serve stopped its worker")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            print(f"could not mark the stopped runs Crashed ({e}); the next serve does", file=sys.stderr)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -292,6 +430,45 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_groups(procs: list[subprocess.Popen], deadline: float) -> None:
+    """SIGTERM to each leader's group and SIGINT to the leader; SIGKILL to the group at `deadline`."""
+    for p in procs:
+        _signal_group(p.pid, signal.SIGTERM)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(p.pid, signal.SIGKILL)  # what the leader left in its group
+        p.wait()
+
+
+def _flow_run_process(run: dict) -> int | None:
+    """The pid of a run's flow-run process (its `infrastructure_pid`, as a Prefect process worker sets it)."""
+    try:
+        return int(str(run.get("infrastructure_pid") or "").rsplit(":", 1)[-1])
+    except ValueError:
+        return None
+
+
+def _flow_run_process_alive(pid: int, run_id: str) -> bool:
+    """Whether `pid` is still the flow-run process of `run_id` on this host (not a reused pid)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"PREFECT__FLOW_RUN_ID={run_id}".encode() in env.split(b"\0") and _stat(pid) is not None
 
 
 def _raise_stop(signum, frame) -> None:
@@ -305,8 +482,13 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         lp.start_server()
+        # What a killed serve left: the runs its worker had taken, Running in the database with no process.
+        for r in lp.settle_runs(WORKER_NAME, "the dflash-pipeline serve that ran it was killed"):
+            print(f"flow run {r['name']} ({r['id']}) was left {r['state_type']} by a killed serve: set Crashed")
         lp.apply_deployments()
-        lp.start_worker()
+        if lp.on_postgres:
+            lp.ensure_zombie_automation()
+        lp.start_worker(WORKER_NAME)
         where = home or os.environ.get("PREFECT_HOME", "~/.prefect")
         db = redact(lp.database) if lp.database else f"SQLite under {where}"
         print(
@@ -315,7 +497,8 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
             f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC)\n"
             f"trigger: PREFECT_API_URL={lp.api_url} {_prefect_command()} deployment run "
             "'dflash-pipeline/extract-only' "
-            "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops server and worker.",
+            "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops the worker, its runs "
+            "(they end Crashed), then the server.",
             flush=True,
         )
         while True:
@@ -326,16 +509,19 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
             worker = lp.worker
             if worker is not None and worker.poll() is not None:
                 print(
-                    f"the Prefect worker (pid {worker.pid}) exited with {worker.returncode}; starting a new one "
-                    f"(its runs are reported crashed; see {lp.log_dir}/worker.log)",
+                    f"the Prefect worker (pid {worker.pid}) exited with {worker.returncode} (see {lp.log_dir}/"
+                    "worker.log); its flow runs stop and end Crashed; starting a new one",
                     file=sys.stderr,
                     flush=True,
                 )
                 lp.procs.remove(worker)
-                # Its flow-run processes are in its process group: stop them (they report Crashed and stop their
-                # extraction workers) rather than leave them orphaned, logging into a closed pipe.
-                _signal_group(worker.pid, signal.SIGTERM)
-                lp.start_worker()
+                _signal_group(worker.pid, signal.SIGKILL)  # anything left in its group
+                # Each flow-run process leads a session of its own and stops when it sees its worker gone
+                # (runguard.watch_worker: SIGTERM; Prefect reports it Crashed). What the database still shows
+                # active once those processes are gone is set Crashed here, which frees the deployment's slot.
+                for r in lp.settle_runs(WORKER_NAME, f"its Prefect worker (pid {worker.pid}) died"):
+                    print(f"flow run {r['name']} ({r['id']}) set Crashed", file=sys.stderr, flush=True)
+                lp.start_worker(WORKER_NAME)
     except (KeyboardInterrupt, Stop) as e:
         print(f"{e.__class__.__name__ if isinstance(e, KeyboardInterrupt) else e}: stopping", file=sys.stderr)
         return 0

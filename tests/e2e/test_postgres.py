@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.storage.store import Store
-from tests.serving import DB_ERRORS, STORE_BUSY, api, free_port, logs, run_load
+from tests.e2e.conftest import FULL_TINY
+from tests.proctree import alive, descendants, wait_gone
+from tests.serving import DB_ERRORS, SMALL, STORE_BUSY, TINY_TRAINING, api, free_port, logs, run_load, wait_final
 
 
 def test_serve_names_an_unreachable_database_and_the_fix(tmp_path):
@@ -118,3 +123,216 @@ def test_twenty_runs_on_three_workers_against_postgres(pg_server, pg_full_run, t
         assert cli_main(["verify", str(store / "store")]) == 0, store
     assert not r.db_errors, r.db_errors[:20]
     assert not r.api_errors, r.api_errors[:20]
+
+
+# ---- the team server survives its operators (issue 27) ------------------------------------------------------------
+# A `full` run that trains until it is killed: the tiny training of FULL_TINY with no end in sight.
+LONG_TRAINING = {"data.max_samples": 4, **SMALL, **TINY_TRAINING, "train.max_steps": 10**7, "train.epochs": 10**5}
+NEXT_RUN_BOUND_S = 60.0  # the claim: the next run of the same deployment takes the slot within this after the kill
+# ... and is Running within this (its flow-run process imports torch and Prefect: 15-40 s on a loaded 2-core box)
+NEXT_RUNNING_BOUND_S = 120.0
+CRASHED_BOUND_S = 60.0  # ... and the killed run is Crashed in the database within this
+
+
+def _db_state(url: str, run_id) -> tuple[str, float, str]:
+    """(state name, epoch seconds of that state, its message) of a flow run, read from PostgreSQL itself (the server
+    may be down)."""
+    sql = (
+        "SELECT s.name, extract(epoch from s.timestamp) AS t, s.message FROM flow_run f JOIN flow_run_state s "
+        f"ON s.id = f.state_id WHERE f.id = '{run_id}'"
+    )
+    (row,) = _rows(url, sql)
+    return row["name"], float(row["t"]), row["message"] or ""
+
+
+def _pending_at(url: str, run_id) -> float | None:
+    """Epoch seconds of the run's last Pending state: when a worker took it and it got its deployment's slot."""
+    sql = f"SELECT extract(epoch from max(timestamp)) AS t FROM flow_run_state WHERE flow_run_id = '{run_id}' "
+    t = _rows(url, sql + "AND type = 'PENDING'")[0]["t"]
+    return None if t is None else float(t)
+
+
+def _slot(url: str) -> int:
+    """Active slots of the `full` deployment's concurrency limit."""
+    sql = (
+        "SELECT c.active_slots FROM deployment d JOIN concurrency_limit_v2 c ON c.id = d.concurrency_limit_id "
+        "WHERE d.name = 'full'"
+    )
+    return _rows(url, sql)[0]["active_slots"]
+
+
+def _training(lp, run_id, timeout: float = 400):
+    """Wait until the run's training task runs (mid-run: every stage before it is done); returns the flow run."""
+
+    async def go(client):
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        deadline = time.monotonic() + timeout
+        while True:
+            fr = await client.read_flow_run(run_id)
+            assert not fr.state.is_final(), fr.state
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            training = any(t.name.startswith("train drafter") and t.state.is_running() for t in tasks)
+            if training and fr.infrastructure_pid:
+                return fr
+            assert time.monotonic() < deadline, f"no training after {timeout} s: {fr.state}"
+            await asyncio.sleep(1)
+
+    return api(lp, go)
+
+
+def _started(lp, run_id, timeout: float):
+    """Wait until the run is Running (or further); returns the flow run."""
+
+    async def go(client):
+        deadline = time.monotonic() + timeout
+        while True:
+            fr = await client.read_flow_run(run_id)
+            if fr.start_time or fr.state.is_final():
+                return fr
+            if time.monotonic() > deadline:
+                return fr
+            await asyncio.sleep(0.5)
+
+    return api(lp, go)
+
+
+def _serve_worker(lp) -> int:
+    (pid,) = [p for p, c in descendants(lp.serve_proc.pid).items() if "worker start" in c]
+    return pid
+
+
+def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path):
+    """SIGKILL of serve's Prefect worker while its run trains: the flow-run process (in a session of its own) stops
+    too, the run is Crashed in the database, and the next run of the deployment, already waiting for the slot,
+    starts within NEXT_RUN_BOUND_S of the kill on the worker serve starts in its place."""
+    lp = pg_server
+    killed = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})
+    nxt = lp.run_deployment("full", {**FULL_TINY, "output_dir": str(tmp_path / "b")})
+    fr = _training(lp, killed)
+    flow_proc = int(fr.infrastructure_pid)
+    run_procs = {flow_proc, *descendants(flow_proc)}
+    worker = _serve_worker(lp)
+    t0, wall0 = time.monotonic(), time.time()
+    os.kill(worker, signal.SIGKILL)
+    try:
+        left = wait_gone(run_procs, timeout=30)
+        gone_s = time.monotonic() - t0
+        assert not left, f"the killed worker's run is still running: {left}"
+        started = _started(lp, nxt, timeout=NEXT_RUNNING_BOUND_S)
+        assert started.start_time, f"the next run did not start: {started.state}"
+        next_s = started.start_time.timestamp() - wall0
+        slot_s = _pending_at(lp.database_url, nxt) - wall0
+        name, at, message = _db_state(lp.database_url, killed)
+        print(
+            f"worker SIGKILL: run processes gone {gone_s:.1f} s, Crashed {at - wall0:.1f} s ({message}); the next "
+            f"run took the slot {slot_s:.1f} s and was Running {next_s:.1f} s after the kill"
+        )
+        assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
+        assert slot_s < NEXT_RUN_BOUND_S and next_s < NEXT_RUNNING_BOUND_S, (slot_s, next_s)
+        (done,) = wait_final(lp, [nxt], timeout=400)
+        assert done.state.is_completed(), done.state
+        out = (lp.home / "serve.out").read_text()
+        assert f"the Prefect worker (pid {worker}) exited with -9" in out, out[-2000:]
+        assert "its flow runs stop and end Crashed" in out, out[-2000:]
+    finally:
+        for p in alive(run_procs):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.load
+def test_serve_killed_or_stopped_mid_run_leaves_nothing_stuck(postgres, model_dir, tmp_path):
+    """SIGTERM of `serve` while its run trains: every process stops and the run ends Crashed in the database
+    before the server goes (its slot free). A restarted serve runs the next run of the deployment at once; SIGKILL
+    of that serve: every process stops (parent-death signals, the guard), nothing can write the database, and the
+    next serve sets the run Crashed before its worker starts; the run after that starts within NEXT_RUN_BOUND_S."""
+    from tests.serving import serve
+
+    url = postgres.create_database("recovery")
+    home = tmp_path / "home"
+    home.mkdir()
+    timings = {}
+    with serve(home, database=url) as lp:
+        lp.database_url = url
+        first = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})
+        _training(lp, first)
+        procs = descendants(lp.serve_proc.pid)
+        wall0 = time.time()
+        lp.serve_proc.send_signal(signal.SIGTERM)
+        assert lp.serve_proc.wait(timeout=60) == 0
+        left = wait_gone(procs, timeout=30)
+        timings["sigterm: every process gone"] = time.time() - wall0
+        assert not left, left
+    name, at, message = _db_state(url, first)
+    timings["sigterm: Crashed"] = at - wall0
+    assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
+    assert _slot(url) == 0
+    out = (home / "serve.out").read_text()
+    assert "SIGTERM: stopping" in out and "Traceback" not in out, out[-3000:]
+
+    with serve(home, database=url) as lp:
+        lp.database_url = url
+        ready = time.time()
+        second = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "b")})
+        fr = _training(lp, second)
+        timings["restart: next run took the slot"] = _pending_at(url, second) - ready
+        timings["restart: next run Running"] = fr.start_time.timestamp() - ready
+        procs = descendants(lp.serve_proc.pid)
+        wall0 = time.time()
+        lp.serve_proc.send_signal(signal.SIGKILL)
+        lp.serve_proc.wait(timeout=10)
+        left = wait_gone(procs, timeout=30)
+        timings["sigkill: every process gone"] = time.time() - wall0
+        assert not left, left
+
+    with serve(home, database=url) as lp:
+        lp.database_url = url
+        ready = time.time()
+        name, at, message = _db_state(url, second)
+        timings["sigkill: Crashed, from the next serve's ready banner (<0: before)"] = at - ready
+        assert name == "Crashed" and "killed" in message, (name, message)
+        (row,) = _rows(url, f"SELECT name FROM flow_run WHERE id = '{second}'")
+        assert f"flow run {row['name']} ({second}) was left RUNNING" in (home / "serve.out").read_text()
+        third = lp.run_deployment("full", {**FULL_TINY, "output_dir": str(tmp_path / "c")})
+        fr = _started(lp, third, timeout=NEXT_RUNNING_BOUND_S)
+        assert fr.start_time, fr.state
+        timings["sigkill: next run took the slot, from the next serve's banner"] = _pending_at(url, third) - ready
+        timings["sigkill: next run Running, from the next serve's banner"] = fr.start_time.timestamp() - ready
+        (done,) = wait_final(lp, [third], timeout=400)
+        assert done.state.is_completed(), done.state
+    print("serve stopped / killed mid-run:", json.dumps({k: round(v, 1) for k, v in timings.items()}))
+    assert timings["restart: next run took the slot"] < NEXT_RUN_BOUND_S, timings
+    assert timings["sigkill: next run took the slot, from the next serve's banner"] < NEXT_RUN_BOUND_S, timings
+    assert timings["sigkill: next run Running, from the next serve's banner"] < NEXT_RUNNING_BOUND_S, timings
+
+
+@pytest.mark.load
+def test_a_run_without_heartbeats_is_crashed_by_the_zombie_automation(pg_server, tmp_path):
+    """Prefect's zombie detection, as serve sets it up on PostgreSQL: a run training for longer than the window
+    stays Running (its heartbeats, every HEARTBEAT_S s, keep it alive); frozen (SIGSTOP: no heartbeat, no report,
+    what a dead machine looks like to the server), it is set Crashed by the automation within ZOMBIE_WITHIN_S plus
+    one heartbeat period and the triggers service's 5 s evaluation, and the deployment's slot is freed."""
+    from dflash_pipeline.serve import HEARTBEAT_S, ZOMBIE_WITHIN_S
+
+    lp = pg_server
+    run_id = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})
+    fr = _training(lp, run_id)
+    pid = int(fr.infrastructure_pid)
+    try:
+        time.sleep(ZOMBIE_WITHIN_S + HEARTBEAT_S)
+        name, _, _ = _db_state(lp.database_url, run_id)
+        assert name == "Running", name  # a live run is never taken for a zombie
+        wall0 = time.time()
+        os.killpg(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + ZOMBIE_WITHIN_S + HEARTBEAT_S + 60
+        while (state := _db_state(lp.database_url, run_id))[0] != "Crashed":
+            assert time.monotonic() < deadline, state
+            time.sleep(2)
+        print(f"zombie automation: Crashed {state[1] - wall0:.1f} s after the run froze ({state[2]})")
+        assert "no heartbeat" in state[2], state
+        assert _slot(lp.database_url) == 0
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
