@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipeline.tasks.common import artifact_key
 from tests.serving import api
 
 CHROMIUM_FLAGS = [
@@ -106,21 +107,24 @@ def test_a_finished_run_page_shows_its_task_runs_and_artifacts(chromium, pg_full
     shot("2-task-runs")
 
     # The artifacts tab lists the project's artifacts; each opens on its own page.
+    # Their keys are this store's own (artifact_key's suffix), so the Artifacts page's latest is this store's.
     page.get_by_text("Artifacts", exact=True).first.click()
-    for key in ("extract-throughput", "train-loss-curve", "store", "run-summary", "validation", "compat-probe"):
-        expect(page.get_by_text(key, exact=True).first).to_be_visible()
+    names = ("extract-throughput", "train-loss-curve", "store", "run-summary", "validation", "compat-probe")
+    key = {name: artifact_key(name, store=str(out / "store")) for name in names}
+    for name in names:
+        expect(page.get_by_text(key[name], exact=True).first).to_be_visible()
     shot("3-artifacts")
 
     ids = _artifact_ids(lp, fr.id)
-    page.get_by_text("extract-throughput", exact=True).first.click()
-    page.wait_for_url(f"**/artifacts/artifact/{ids['extract-throughput']}")
+    page.get_by_text(key["extract-throughput"], exact=True).first.click()
+    page.wait_for_url(f"**/artifacts/artifact/{ids[key['extract-throughput']]}")
     rows = page.locator("table tbody tr")
     expect(rows.filter(has_text="total (all workers)")).to_have_count(1)
     expect(rows.filter(has_text="cpu").first).to_be_visible()
     assert rows.count() >= 2, rows.all_inner_texts()
     shot("4-throughput-table")
 
-    page.goto(f"{ui}/artifacts/artifact/{ids['train-loss-curve']}", wait_until="networkidle")
+    page.goto(f"{ui}/artifacts/artifact/{ids[key['train-loss-curve']]}", wait_until="networkidle")
     img = page.locator('img[alt="loss curve"]')
     expect(img).to_have_count(1)
     img.scroll_into_view_if_needed()
@@ -129,7 +133,7 @@ def test_a_finished_run_page_shows_its_task_runs_and_artifacts(chromium, pg_full
     assert width >= 300 and height >= 200, (width, height)  # the plot itself, not a broken-image icon
     shot("5-loss-curve")
 
-    page.goto(f"{ui}/artifacts/artifact/{ids['store']}", wait_until="networkidle")
+    page.goto(f"{ui}/artifacts/artifact/{ids[key['store']]}", wait_until="networkidle")
     expected = (out / "store" / "v0001").absolute().as_uri()
     link = page.locator(f'a[href="{expected}"]')
     expect(link.first).to_be_visible()

@@ -23,6 +23,7 @@ from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
 from dflash_pipeline.serve import STOP_GRACE_S, LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.tasks.common import artifact_key
 from tests.proctree import descendants, wait_gone
 from tests.serving import LOAD_SERVER_ENV, SMALL, TINY_TRAINING, api, logs, serve, stop_serve
 
@@ -122,8 +123,10 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
     assert _stages_run(tasks) == {"prepare", "probe", "extract", "validate"}
     assert all(t.state.is_completed() for t in tasks)
     keys = {a.key for a in arts}
-    assert {"compat-probe", "extract-throughput", "validation", "run-summary", "store"} <= keys
-    link = next(a for a in arts if a.key == "store").data
+    shared_store = str(shared_out / "store")
+    published = ("compat-probe", "extract-throughput", "validation", "run-summary", "store")
+    assert {artifact_key(name, store=shared_store) for name in published} <= keys  # the store's own keys
+    link = next(a for a in arts if a.key == artifact_key("store", store=shared_store)).data
     assert f"(file://{shared_out}/store/v0001)" in link, link  # absolute: it opens from the UI
     assert Store(shared_out / "store").current() == "v0001"
 
@@ -193,6 +196,10 @@ def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_
     assert failed.state.is_failed(), failed.state
     assert "extraction worker on cpu (pid" in failed.state.message and "SIGKILL" in failed.state.message
     assert store.current() == "v0001" and store.versions() == ["v0001", "v0002"]
+    store_path = str(tmp_path / "store")  # the artifact keys' scope
+    failed_arts = _task_runs_and_artifacts(server, failed.id)[1]  # a failed night publishes what it did, and why
+    failed_summary = next(a for a in failed_arts if a.key == artifact_key("run-summary", store=store_path)).data
+    assert "FAILED" in failed_summary and "extract-hidden-states: " in failed_summary, failed_summary
 
     run_id = server.run_deployment("nightly", overrides)
     good = _wait(server, run_id)
@@ -205,10 +212,10 @@ def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_
     assert all(store.commit_record("v0002", u)["complete"] for u in store.units("v0002"))
     tasks, arts = _task_runs_and_artifacts(server, run_id)
     assert _stages_run(tasks) == {"prepare", "probe", "extract", "validate"}
-    throughput = next(a for a in arts if a.key == "extract-throughput")
+    throughput = next(a for a in arts if a.key == artifact_key("extract-throughput", store=store_path))
     table = throughput.data if isinstance(throughput.data, list) else json.loads(throughput.data)
     assert table[-1]["device"].startswith("total")
-    summary = next(a for a in arts if a.key == "run-summary").data
+    summary = next(a for a in arts if a.key == artifact_key("run-summary", store=store_path)).data
     assert "v0001 / v0002 (promoted)" in summary
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.tasks.common import artifact_key
 
 EXTRACT_STAGES = ["prepare", "probe", "extract", "validate"]
 
@@ -50,16 +51,20 @@ def test_pipeline_flow_runs_and_reruns_without_recompute(prefect_harness, model_
     assert store.current() == summary.version == "v0001"
     keys = {a.key for a in _artifacts(state.state_details.flow_run_id)}
     assert {
-        "prepared-dataset",
-        "compat-probe",
-        "preflight-plan",
-        "extract-throughput",
-        "extract-progress-cpu",
-        "validation",
-        "store",
-        "train-loss",
-        "train-summary",
-        "acceptance",
+        artifact_key(name, store=str(tmp_path / "store"))  # every key is this store's own
+        for name in (
+            "prepared-dataset",
+            "compat-probe",
+            "preflight-plan",
+            "extract-throughput",
+            "extract-progress-cpu",
+            "validation",
+            "store",
+            "train-loss",
+            "train-summary",
+            "acceptance",
+            "run-summary",
+        )
     } <= keys
 
     again = dflash_pipeline(overrides={**overrides, "stages": EXTRACT_STAGES})
