@@ -165,7 +165,9 @@ def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: PrefectRunner, *args: Any, **kwargs: Any) -> Any:
         raise_if_stopped()
         self.stage = task.name
-        return task(*args, **kwargs)
+        result = task(*args, **kwargs)
+        self.stage = f"after {task.name}"  # an error between tasks (a store lock, no published version) is not its
+        return result
 
     return functools.update_wrapper(run, task, updated=())
 
@@ -219,6 +221,7 @@ class PrefectRunner:
         create_link_artifact(
             key=artifact_key("store"), link=link, description="the hidden-state store version written by this run"
         )
+        self.stage = "after extract-hidden-states"
         return results
 
     @staticmethod
