@@ -54,19 +54,21 @@ TRAIN = {
 
 @pytest.fixture(scope="module")
 def source(model_dir, tmp_path_factory):
-    """An extracted store (prepared dataset and store under one output dir), never modified: tests copy it."""
+    """An extracted, validated and published store (prepared dataset and store under one output dir), never
+    modified: tests copy it."""
     out = tmp_path_factory.mktemp("retention_src")
-    ex = extract_local(out, STORE)
+    ex = extract_local(out, STORE, validate=True)
+    assert ex.validation.ok and Store(ex.store).current() == ex.plan.version
     assert len(Store(ex.store).units(ex.plan.version)) >= 6
     return out, ex.plan.version
 
 
 def copy_run(source, dest: Path) -> tuple[Path, Store, str]:
-    """A private copy of the source run, its version CURRENT (as after validation)."""
+    """A private copy of the source run, its version CURRENT (validated by the source's run)."""
     src, version = source
     shutil.copytree(src, dest)
     store = Store(dest / "store")
-    store.set_current(version)
+    assert store.current() == version
     return dest, store, version
 
 
