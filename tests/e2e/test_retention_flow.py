@@ -7,6 +7,7 @@ import asyncio
 
 from dflash_pipeline.storage import retention
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.tasks.common import artifact_key
 from tests.serving import SMALL, TINY_TRAINING
 
 
@@ -40,5 +41,6 @@ def test_flow_deletes_after_export_and_publishes_it(prefect_harness, model_dir, 
                 )
             )
 
-    (art,) = [a for a in asyncio.run(artifacts()) if a.key == "store-retention"]
+    key = artifact_key("store-retention", store=summary.store)  # keys carry the store's suffix
+    (art,) = [a for a in asyncio.run(artifacts()) if a.key == key]
     assert "freed" in art.data and "retention.mode=after_export" in art.data and "retention.json" in art.data
