@@ -159,6 +159,33 @@ def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: st
     return store, version, [u.name for u in plan.pending_units]
 
 
+def publish_store(root: Path, version: str, cfg, sample_ids, lengths, ids) -> None:
+    """Validate a bench store's version and make it CURRENT, as run_pipeline does after extraction
+    (stages.validate records the report in validation.json; CURRENT moves only when it passed): training reads
+    only a validated version. The synthetic samples (plan_store's, every token supervised), saved beside the store
+    as a prepared dataset, stand in for prepare's; no recompute check (it would load the target beside the GPU
+    memory the bench measures; the states are the extraction's own forward)."""
+    import datasets
+
+    from dflash_pipeline.dataprep.prepare import PrepareResult
+    from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
+    from dflash_pipeline.storage.store import Store
+    from dflash_pipeline.storage.verify import VALIDATION
+
+    path = Path(root).parent / f"{Path(root).name}-prepared"
+    rows = {"sample_id": sample_ids, "input_ids": [x.tolist() for x in ids], "loss_mask": [[1] * n for n in lengths]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(path))
+    n, tokens = len(sample_ids), sum(lengths)
+    prepared = PrepareResult("bench", str(path), "synthetic", n, n, tokens, tokens, 1)
+    store = Store(root)
+    t0 = time.perf_counter()
+    report = validate_store(store, version, prepared, cfg.validate_.model_copy(update={"recompute_samples": 0}))
+    store.loc.write_atomic(f"{version}/{VALIDATION}", json.dumps(report.to_dict(), indent=1).encode())
+    raise_if_failed(report)
+    store.set_current(version)
+    log(f"store {root}: validated and published {version} in {time.perf_counter() - t0:.0f} s")
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 

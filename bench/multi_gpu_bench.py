@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from common import bench_probe, log, plan_store, saved_target, synthetic_samples, worker_spec
+from common import bench_probe, log, plan_store, publish_store, saved_target, synthetic_samples, worker_spec
 
 
 def split_replica(
@@ -173,6 +173,7 @@ def main() -> int:
         device="cpu" if args.cpu_smoke else "cuda:0",
         mask_token=vocab - 1,
     )  # the bench model has no tokenizer: an id inside the embedding
+    publish_store(work / "store2", v2, cfg, *ids)  # training reads only a validated version
     tr = train(tc, str(work / "store2"), report, work / "drafter", version=v2)
     steady = tr.history[len(tr.history) // 3 :]
     res["drafter_training"] = {

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, log, plan_store, profile_table, saved_target, synthetic_samples, worker_spec
+from common import SHAPES, log, plan_store, profile_table, publish_store, saved_target, synthetic_samples, worker_spec
 from instruments import matmul_peak
 
 DATASHEET_TFLOPS = 989.0
@@ -75,7 +75,7 @@ def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
     _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
     r = run_in_process(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
     log(f"store: {r.tokens} tokens at {r.tokens_per_s:,.0f} tokens/s (version {version})")
-    publish(work, version, cfg, *ids)
+    publish_store(work / "store", version, cfg, *ids)
     meta = {
         "version": version,
         "vocab": vocab,
@@ -87,32 +87,6 @@ def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
     }
     (work / "bench_store.json").write_text(json.dumps(meta, indent=2))
     return meta
-
-
-def publish(work: Path, version: str, cfg, sample_ids, lengths, ids) -> None:
-    """Validate the bench store and make it CURRENT, as run_pipeline does after extraction (stages.validate
-    records the report in validation.json; CURRENT moves only when it passed): training reads only a validated
-    version. The synthetic samples, saved as a prepared dataset, stand in for prepare's; no recompute check
-    (it would load the target beside the training's GPU memory; the states are the extraction's own forward)."""
-    import datasets
-
-    from dflash_pipeline.dataprep.prepare import PrepareResult
-    from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
-    from dflash_pipeline.storage.store import Store
-    from dflash_pipeline.storage.verify import VALIDATION
-
-    path = work / "prepared"
-    rows = {"sample_id": sample_ids, "input_ids": [x.tolist() for x in ids], "loss_mask": [[1] * n for n in lengths]}
-    datasets.Dataset.from_dict(rows).save_to_disk(str(path))  # plan_store's loss masks: every token supervised
-    n, tokens = len(sample_ids), sum(lengths)
-    prepared = PrepareResult("bench", str(path), "synthetic", n, n, tokens, tokens, 1)
-    store = Store(work / "store")
-    t0 = time.perf_counter()
-    report = validate_store(store, version, prepared, cfg.validate_.model_copy(update={"recompute_samples": 0}))
-    store.loc.write_atomic(f"{version}/{VALIDATION}", json.dumps(report.to_dict(), indent=1).encode())
-    raise_if_failed(report)
-    store.set_current(version)
-    log(f"store: validated and published {version} in {time.perf_counter() - t0:.0f} s")
 
 
 def _bytes(path: Path) -> int:
