@@ -118,23 +118,24 @@ def child_env(device: str) -> tuple[dict[str, str], str]:
     return env, "cpu"
 
 
-def spec_file(spec: WorkerSpec) -> Path:
-    """`<spec_dir>/<store>-<version>-<device>.json`. One run at a time holds a store (its lock), so the name is
-    this worker's alone while it runs, and the next run's worker of the same store and device replaces a file a
-    SIGKILL left behind."""
+def spec_file(spec: WorkerSpec, worker: str | None = None) -> Path:
+    """`<spec_dir>/<store>-<version>-<worker>.json`, `worker` the name the run gave the worker (its device, or
+    `ray:N`: Ray workers on one node all see the same local device). One run at a time holds a store (its lock), so
+    the name is this worker's alone while it runs, and the next run's worker of the same store and device replaces
+    a file a SIGKILL left behind."""
     store = hashlib.sha256(spec.store_root.encode()).hexdigest()[:12]
-    device = re.sub(r"[^A-Za-z0-9.+-]", "_", spec.name)
+    device = re.sub(r"[^A-Za-z0-9.+-]", "_", worker or spec.name)
     return Path(spec.spec_dir) / f"spec-{store}-{spec.version}-{device}.json"
 
 
-def write_spec(spec: WorkerSpec) -> str:
+def write_spec(spec: WorkerSpec, worker: str | None = None) -> str:
     """The spec as the worker reads it (it removes the file once read). Under spec_dir (the run's output_dir),
     never TMPDIR: a SIGKILL of the run before the worker read its spec left a file there that nothing removed."""
     if not spec.spec_dir:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             f.write(spec.to_json())
             return f.name
-    path = spec_file(spec)
+    path = spec_file(spec, worker)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, spec.to_json().encode())
@@ -157,7 +158,7 @@ def run_in_process(
     env[PARENT_ENV] = str(os.getpid())
     if spec.threads:  # a small model's worker: its threads before torch loads (core/threads.py)
         env.update(threads.env(spec.threads))
-    spec_path = write_spec(replace(spec, device=local_device, label=device))
+    spec_path = write_spec(replace(spec, device=local_device, label=device), worker=spec.name)
     tail: deque[str] = deque(maxlen=40)
     outcome: dict[str, Any] = {}
     proc = subprocess.Popen(

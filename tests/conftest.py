@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"  # and in every process a test starts (core/threads.py honours it)
 
 
 @pytest.fixture(scope="session")
