@@ -270,7 +270,8 @@ def _console_logging(args: argparse.Namespace) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/unit/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline (prepare, probe, extract, validate, ...)")
@@ -337,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     vf.add_argument("--threads", type=int, default=4, help="units checked at once")
     vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     vf.set_defaults(fn=cmd_verify)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     _console_logging(args)
     _quiet_libraries()
     return args.fn(args)
