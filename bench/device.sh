@@ -75,7 +75,7 @@ for step in "$@"; do
     realtext-pipeline | realtext-resume)
       stages=""; [[ $step == realtext-resume ]] && stages="--stages probe,train,evaluate"
       (cd .. && python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s "${RT_DEADLINE:-540}" \
-         --eval-reserve-s "${RT_EVAL_RESERVE:-150}" $stages --report "$OUT/pipeline_report.json" 2>&1 \
+         --eval-reserve-s "${RT_EVAL_RESERVE:-150}" $stages ${RT_ARGS:-} --report "$OUT/pipeline_report.json" 2>&1 \
          | tee "$OUT/${step}_log.txt")
       cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -60,7 +60,7 @@ def slices(result: dict, prompts: list[dict], field: str = "source") -> dict:
     return {k: {"prompts": v[0], "steps": v[1], "tau": v[2] / max(v[1], 1)} for k, v in sorted(acc.items())}
 
 
-def bounded_eval(drafter, target, tok, ecfg, prompts: list[dict], deadline: float, what: str, chunk: int = 4):
+def bounded_eval(drafter, target, tok, ecfg, prompts: list[dict], deadline: float, what: str, chunk: int = 2):
     from dflash_pipeline.drafter.evaluate import evaluate_acceptance
 
     reports, t = [], time.monotonic()
