@@ -53,7 +53,7 @@ def test_the_docs_show_the_main_commands():
     assert {"run", "plan", "verify", "serve", "show-config"} <= verbs, verbs
 
 
-@pytest.mark.parametrize("where,argv", CLI, ids=[w for w, _ in CLI])
+@pytest.mark.parametrize(("where", "argv"), CLI, ids=[w for w, _ in CLI])
 def test_a_documented_cli_command_parses_and_its_settings_load(where, argv):
     args = build_parser().parse_args([a for a in argv if a not in ("&",)])
     overrides = dict(parse_override(s) for s in getattr(args, "set", []) or [])
