@@ -212,10 +212,10 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
     )
     try:
         deadline = time.monotonic() + 120
-        while "Beginning flow run" not in (tmp_path / "err").read_text() and time.monotonic() < deadline:
+        while "] probe ..." not in (tmp_path / "err").read_text() and time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
             time.sleep(0.2)
-        time.sleep(1.0)  # inside the first stage (a task: its engine and the flow's both report the crash)
+        time.sleep(1.0)  # inside the first stage, the probe (a task: its engine and the flow's both report the crash)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
         assert proc.wait(timeout=120) == 130
     finally:

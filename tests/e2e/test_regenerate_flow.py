@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dflash_pipeline.tasks.common import artifact_key
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.server
 
@@ -77,6 +79,7 @@ def test_regenerate_through_a_server_in_the_flow(prefect_harness, model_dir, fak
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 12 and all(r["regen"]["outcome"] == "ok" for r in rows)
     arts = {a.key: a for a in _artifacts(state.state_details.flow_run_id)}
-    assert arts["regenerate-progress"].data == 100.0
-    md = arts["regenerated"].data
+    store = str(tmp_path / "store")  # every artifact key is scoped to the run's store
+    assert arts[artifact_key("regenerate-progress", store=store)].data == 100.0
+    md = arts[artifact_key("regenerated", store=store)].data
     assert "| ok | 12 | 12 |" in md and "1 retried requests" in md and "p50 6" in md and "model `m`" in md

@@ -42,15 +42,16 @@ def test_a_dropped_stop_is_raised_again_by_the_flow(guarded, sig, said, tmp_path
 
     before = signal.getsignal(sig)
     cfg = load_config(None, {"output_dir": str(tmp_path)})
+    runner = PrefectRunner()
     with guarded():
         runguard.raise_if_stopped()  # nothing asked for a stop yet
         _dropped(sig)
         with pytest.raises(KeyboardInterrupt) as e:
-            PrefectRunner.probe(cfg)  # the next stage does not start
+            runner.probe(cfg)  # the next stage does not start
         assert str(e.value) == said  # the CLI prints "stopped (Ctrl-C)" for "", else "stopped (SIGTERM)"
         assert not list(tmp_path.iterdir()), "the stage ran"
         with pytest.raises(KeyboardInterrupt):
-            PrefectRunner.extract(cfg, None, None)  # nor does extraction (checked before it plans workers)
+            runner.extract(cfg, None, None)  # nor does extraction (checked before it plans workers)
     runguard.raise_if_stopped()  # a later run in the same process starts afresh
     assert signal.getsignal(sig) is before
 
