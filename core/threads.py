@@ -5,8 +5,9 @@ Measured on the 2-core machine (bench/RESULTS.md, "The first run on a shared mac
 threads gain about 1.5x on an idle machine (forward 0.46 vs 0.72 s, a training step 0.115 vs 0.17 s; generate about
 the same), and beside two CPU-bound processes they lose 2-25x (generate 14 s vs 0.55 s; a training step 3.8 s vs
 0.23 s): every small op ends in an OpenMP barrier, and a barrier whose other thread is descheduled waits for a
-whole time slice. So a small model takes two threads only where two cores are idle when the run starts
-(`busy_elsewhere`), else one. Large models keep torch's default (one thread per core); nothing changes for them
+whole time slice. Even on an idle machine the run's own other processes (Prefect's server, the flow's threads)
+do that: `make run` with two threads took 98 s against 75 s with one (bench/RESULTS.md). So a small model runs one
+thread. Large models keep torch's default (one thread per core); nothing changes for them
 or on GPUs.
 
 torch's CPU build uses GNU OpenMP (libgomp): `OMP_WAIT_POLICY=PASSIVE` (set by the CLI, before torch is loaded)
@@ -20,12 +21,10 @@ Processes that a run starts get it explicitly (WorkerSpec.threads, `env`).
 from __future__ import annotations
 
 import os
-import time
 
 from dflash_pipeline.extraction.modelfiles import read_model_config
 
-SMALL_HIDDEN = 512  # models with a hidden size up to this run on at most SMALL_MAX_THREADS threads per process
-SMALL_MAX_THREADS = 2  # idle, a second thread gained 1.5x on the embedded target's training and extraction
+SMALL_HIDDEN = 512  # models with a hidden size up to this run on one CPU thread per process
 
 
 def cpus() -> int:
@@ -35,32 +34,13 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
-def busy_elsewhere(samples: int = 5, gap_s: float = 0.02) -> int:
-    """How many threads other than this one are runnable now (Linux /proc/loadavg's running count, the median of a
-    few samples; 0 where it cannot be read). The 1-minute load average lags by a minute and counts this run's own
-    earlier stages; the instantaneous count does not."""
-    counts = []
-    for i in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
-        except (OSError, ValueError, IndexError):
-            return 0
-        if i + 1 < samples:
-            time.sleep(gap_s)
-    return max(0, sorted(counts)[len(counts) // 2])
-
-
 def for_hidden(hidden_size: int | None) -> int | None:
-    """Intra-op threads for a model of this hidden size: for a small one, the cores nothing else is running on, at
-    most SMALL_MAX_THREADS and at least 1 (beside other CPU-bound work, one thread); None (torch's default) for a
-    larger one."""
+    """Intra-op threads for a model of this hidden size: 1 for a small one (OMP_NUM_THREADS, if set, wins), None
+    (torch's default) for a larger one."""
     if hidden_size is None or hidden_size > SMALL_HIDDEN:
         return None
     fixed = os.environ.get("OMP_NUM_THREADS", "")
-    if fixed.isdigit() and int(fixed) > 0:  # the user's (or the test suite's) choice wins
-        return int(fixed)
-    return max(1, min(SMALL_MAX_THREADS, cpus() - busy_elsewhere()))
+    return int(fixed) if fixed.isdigit() and int(fixed) > 0 else 1
 
 
 def for_model(model_dir: str) -> int | None:
