@@ -66,7 +66,14 @@ def _cli(cwd: Path, tmpdir: Path, slow: bool, api_url: str | None = None) -> sub
         stdout=open(cwd / "cli.out", "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
+        preexec_fn=_foreground_signals,  # not the caller's dispositions (a background shell ignores SIGINT)
     )
+
+
+def _foreground_signals() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it (Python then installs its Ctrl-C
+    handler; one started from a background shell inherits SIG_IGN and would never see the test's Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _worker_pids(pid: int) -> dict[int, str]:

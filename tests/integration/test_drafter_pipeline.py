@@ -118,6 +118,8 @@ def _train_process(work, cfg: TrainConfig, out: Path, **popen) -> subprocess.Pop
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal's foreground job has it, whatever the caller's (a background shell ignores it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         **popen,
     )
 
@@ -130,7 +132,12 @@ def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143  # saved at the next step boundary and stopped
+    try:
+        assert proc.wait(timeout=60) == 143  # saved at the next step boundary and stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     saved = json.loads((out / "result.json").read_text())
     assert saved["interrupted"] and 5 <= saved["steps"] < STEPS
     assert not (out / "export").exists()
@@ -156,13 +163,18 @@ def test_a_stop_to_the_process_group_saves_a_checkpoint_with_dataloader_workers(
 
     over = dict(TRAIN, num_workers=2, checkpoint_every=10_000, max_steps=10_000, epochs=1000)
     proc = _train_process(work, TrainConfig(**over), tmp_path, start_new_session=True)  # a shell's foreground job
-    deadline = time.time() + 60
-    while len(children := descendants(proc.pid)) < 2:  # the loader's workers are up: training has started
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.1)
-    time.sleep(1.0)
-    os.killpg(proc.pid, sig)
-    rc = proc.wait(timeout=60)
+    try:
+        deadline = time.time() + 60
+        while len(children := descendants(proc.pid)) < 2:  # the loader's workers are up: training has started
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.killpg(proc.pid, sig)
+        rc = proc.wait(timeout=60)
+    finally:  # a failing test leaves no training behind (it would train on at full CPU)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     err = proc.stderr.read().decode()
     assert rc == (130 if sig == signal.SIGINT else 143), err[-2000:]
     assert "killed by signal" not in err, err[-2000:]
