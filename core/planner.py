@@ -42,6 +42,7 @@ from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant, retention
 from dflash_pipeline.storage.commit import crash_points_off, write_atomic
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
+from dflash_pipeline.storage.shardio import pid_alive
 from dflash_pipeline.storage.store import Store, same_identity
 
 CALIBRATE_FORWARD_MAX_GIB = 2.0  # plan.calibration=auto runs the real target on the CPU up to this size
@@ -285,16 +286,6 @@ def calibrate_reused(
     return per_token, meta, how, False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def scratch_dir(root: Path) -> Iterator[Path]:
     """A scratch directory `root/scratch-PID-*`, removed at the end; one that a killed process left behind (its pid
@@ -302,7 +293,7 @@ def scratch_dir(root: Path) -> Iterator[Path]:
     root.mkdir(parents=True, exist_ok=True)
     for left in root.glob("scratch-*"):
         pid = left.name.split("-")[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(left, ignore_errors=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{os.getpid()}-", dir=root))
     try:

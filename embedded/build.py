@@ -114,7 +114,9 @@ def _texts() -> list[str]:
     return out
 
 
-def build_tokenizer(out: Path):
+def build_tokenizer(out: Path, texts: list[str] | None = None, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer trained in-process on `texts` (default: the bundled conversations), with our
+    special tokens and ChatML template, saved to `out` (bench/realtext trains its target's the same way)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,12 +124,12 @@ def build_tokenizer(out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=2048,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_texts() + ["system user assistant"], trainer=trainer)
+    tok.train_from_iterator((_texts() if texts is None else texts) + ["system user assistant"], trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -80,7 +80,8 @@ def _shm_dir() -> Path:
     return p if p.is_dir() and os.access(p, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +107,7 @@ class SharedBuffers:
         self._lock = threading.Lock()
         for f in self.dir.glob(f"{self.PREFIX}*"):
             pid = f.name[len(self.PREFIX) :].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 f.unlink(missing_ok=True)
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

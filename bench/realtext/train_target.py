@@ -28,7 +28,7 @@ import chat  # noqa: E402
 import corpus  # noqa: E402
 import stats  # noqa: E402
 
-from dflash_pipeline.embedded.build import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+from dflash_pipeline.embedded.build import build_tokenizer  # noqa: E402
 
 # Sizes. "gpu": ~70M parameters: the lower end of 50-150M because ~6 minutes of one H200 with transformers' PyTorch
 # Gated DeltaNet (no flash-linear-attention kernels) trains on a few tens of millions of tokens, far below even the
@@ -109,31 +109,6 @@ def documents(files, cap_mb: float) -> tuple[list[str], dict]:
         if size >= cap_mb * 1e6:
             break
     return docs, {"files": len(docs), "bytes": size, "skipped": skipped, "of_files": len(files)}
-
-
-def build_tokenizer(out: Path, texts: list[str], vocab: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts + ["system user assistant"], trainer=trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<think>", "</think>", "<|mask|>"],
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(out)
-    return hf
 
 
 def token_stream(tok, docs: list[str]) -> torch.Tensor:
