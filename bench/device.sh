@@ -78,6 +78,28 @@ for step in "$@"; do
          --eval-reserve-s "${RT_EVAL_RESERVE:-150}" $stages ${RT_ARGS:-} --report "$OUT/pipeline_report.json" 2>&1 \
          | tee "$OUT/${step}_log.txt")
       cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
+    # The whole of issue 28 in one detached chain (it outlives a call while the machine is held; `realtext-wait`
+    # in the next calls waits for it, up to RT_WAIT seconds, and copies what it wrote): the target (RT_MINUTES),
+    # the pipeline (RT_SAMPLES conversations regenerated, the drafter trained RT_TRAIN_MINUTES), the agreement
+    # ceiling (bench/realtext/agreement.py).
+    realtext-all)
+      mkdir -p /tmp/rt; rm -f /tmp/rt/done
+      setsid nohup bash -c "set -x; cd $PWD
+        python3 realtext/train_target.py --out ../runs/realtext --minutes ${RT_MINUTES:-4.5} > /tmp/rt/target_log.txt 2>&1
+        cd .. && python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 \
+          --train-minutes ${RT_TRAIN_MINUTES:-10.3} --set data.max_samples=${RT_SAMPLES:-2048} \
+          --report /tmp/rt/pipeline_report.json > /tmp/rt/pipeline_log.txt 2>&1
+        python3 bench/realtext/agreement.py --target runs/realtext/target --store runs/realtext/pipeline/store \
+          --heldout runs/realtext/chat/heldout_prompts.jsonl --out /tmp/rt/agreement.json > /tmp/rt/agreement_log.txt 2>&1
+        touch /tmp/rt/done" > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
+      echo "started, pid $!" ;;
+    realtext-wait)
+      end=$(( $(date +%s) + ${RT_WAIT:-560} ))
+      while [[ ! -e /tmp/rt/done && $(date +%s) -lt $end ]]; do sleep 10; done
+      [[ -e /tmp/rt/done ]] && echo "chain done" || echo "chain still running"
+      cp -r /tmp/rt/. "$OUT/rt/"; cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json "$OUT/rt/" 2>/dev/null || true
+      d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png "$d"/export/*.png "$OUT/rt/" 2>/dev/null || true
+      tail -5 /tmp/rt/target_log.txt; tail -25 /tmp/rt/pipeline_log.txt 2>/dev/null; cat /tmp/rt/agreement_log.txt 2>/dev/null || true ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
