@@ -35,8 +35,12 @@ if [[ ${1:-} == wheels ]]; then
   exit 0
 fi
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+# SKIP_INSTALL=1: a later call of a held machine whose detached work (train-long, realtext-all) still imports from
+# /tmp/site must not have the package rewritten under it.
+if [[ -z ${SKIP_INSTALL:-} ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 cd bench
