@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         cfg = load_config(args.config, args.set)  # fail fast on a bad config, before Prefect starts
-        from dflash_pipeline.preflight import preflight
+        from dflash_pipeline.preflight import prefect_home, preflight
 
         preflight(cfg)  # model path, layer ids, output dir: in a second, not after Prefect starts
         api = os.environ.get("PREFECT_API_URL")
@@ -42,6 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             from dflash_pipeline.serve import check_api
 
             check_api(api)
+        else:
+            prefect_home()
         with guarded_run(debug=args.debug):  # SIGTERM/SIGHUP act as Ctrl-C; nothing outlives even a SIGKILL
             server = _start_temporary_server()  # its ~10-20 s start overlaps the imports below
             from dflash_pipeline import progress

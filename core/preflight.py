@@ -69,6 +69,23 @@ def preflight(cfg: RunConfig) -> None:
     _check_data(cfg)
 
 
+def prefect_home() -> None:
+    """The temporary server keeps its SQLite database under Prefect's home ($PREFECT_HOME, else ~/.prefect). When
+    that cannot be created (a HOME that does not exist yet, a read-only one), the server fails inside its own
+    process and the run only learns of it at the start-up timeout, minutes later: create it now, or say why not."""
+    home = os.environ.get("PREFECT_HOME") or "~/.prefect"
+    path = _local(home)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"Prefect's home {path} (its database for the run's temporary server) cannot be written "
+            f"({e.strerror or e}): set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a running server"
+        ) from None
+
+
 PEEK_ROWS = 100  # rows of the data source read before the run: one usable conversation among them is enough
 
 
