@@ -11,7 +11,8 @@
 # detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU:
 # extraction and DDP training), conv (the hybrid kernels' error per layer against float32: fla's convolution, the
 # fused GDN forward), disk (write the fresh disk once before measuring the pipeline: `bash bench/device.sh disk
-# extract`), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
+# extract`), quant (each compact precision's quantization time per batch against the forward; bench/quant_bench.py),
+# realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
@@ -71,6 +72,7 @@ for step in "$@"; do
     disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( free > 6 ? (free - 6) * 64 : 0 ))
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
+    quant) python3 quant_bench.py --out "$OUT" 2>&1 | tee "$OUT/quant_log.txt" ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
     # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
     realtext-target) python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-6}" \
