@@ -1,9 +1,11 @@
 """What each compact store precision costs the extraction worker on the GPU (issue 29 item 4: quantization must
 not cost more than 2% of the forward): storage/quant.py's `quantize` timed on one batch of captured rows of the
 8B shape (5 layers x 4096) and the 27B shape (5 layers x 5120), 16,384 tokens (the benches' batch of 8 x 2048),
-bf16 input as the capture hooks produce it; the bytes per token each precision stores (values + scales) against
-raw bf16; the share of the forward it adds, against the pipeline's measured forward rates (bench/RESULTS.md:
-8B 41,300 tokens/s, 27B hybrid 11,665 tokens/s on one H200).
+bf16 as the capture hooks produce it, one channel 300x the others (a massive activation, as trained LLMs have;
+random rows otherwise: the error figures are the scheme's, not a trained model's). Reported per precision: the
+bytes per token stored (values + scales) against raw bf16; the reconstruction error (relative L2 overall, on the
+massive channel, on the others); the share of the forward the quantization adds, against the pipeline's measured
+forward rates (bench/RESULTS.md: 8B 41,300 tokens/s, 27B hybrid 11,665 tokens/s on one H200).
 
     python bench/quant_bench.py --out bench-out       # (bench/device.sh quant)
 """
@@ -61,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
             s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
             q, scale = quant.quantize(x, p)
             b = stored_bytes(q, scale)
+            y = quant.dequantize(q, scale, p, torch.float32)
+            xf = x.float()
+            err = (y - xf).norm() / xf.norm()
+            rest = torch.ones(hidden, dtype=torch.bool, device=dev)
+            rest[7] = False
+            err_rest = (y - xf)[..., rest].norm() / xf[..., rest].norm()
+            err_massive = (y - xf)[..., 7].norm() / xf[..., 7].norm()
             rows.append(
                 {
                     "shape": name,
@@ -70,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                     "bytes_per_token": b / args.tokens,
                     "of_raw_bf16": round(b / raw, 4),
                     "GB_per_s": round(raw / s / 1e9, 1),
+                    "rel_l2": float(err),
+                    "rel_l2_other_channels": float(err_rest),
+                    "rel_l2_massive_channel": float(err_massive),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
