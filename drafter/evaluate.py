@@ -31,7 +31,6 @@ Both store the steps of every prompt, so changing only `slice_by` recomputes the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -44,6 +43,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_pipeline.drafter.config import EvalConfig
+from dflash_pipeline.drafter.eval_cache import (
+    baseline_cache_dir,
+    baseline_key,
+    digest,
+    evaluation_key,
+    read_baseline,
+    trained_key,
+    write_baseline,
+)
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import head_from_model
 from dflash_pipeline.errors import ConfigError, DataError
@@ -54,8 +62,6 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from dflash_pipeline.extraction.probe import ProbeReport
 
-# Bump when what a stored result means changes (the key also holds this code's digest, see _code_digest).
-EVAL_FORMAT = 2
 PLOT = "acceptance.png"  # beside the export (the drafter directory), next to loss_curve.png
 
 
@@ -349,109 +355,6 @@ def evaluate_acceptance(
     return _report(per_prompt, prompts, cfg, drafter.spec.block_size, None)
 
 
-# ---- what a result depends on ------------------------------------------------------------------------------
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _code_digest() -> str:
-    """This module's and the drafter model's source (and the layer capture): a change there may change results."""
-    here = Path(__file__).resolve().parent
-    files = [
-        here / "evaluate.py",
-        here / "model.py",
-        here / "target_head.py",
-        here.parent / "extraction" / "capture.py",
-    ]
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _files_digest(directory: str | Path, names: list[str]) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    for n in names:
-        with open(Path(directory) / n, "rb") as fh:
-            while piece := fh.read(8 << 20):
-                h.update(piece)
-    return h.hexdigest()
-
-
-def evaluation_key(report: ProbeReport, cfg: EvalConfig, rows: list[dict], tokenizer, device: str, dtype) -> dict:
-    """What an evaluation's figures depend on, except the drafter (see `trained_key`, `baseline_key`)."""
-    import transformers
-
-    from dflash_pipeline.dataprep.prepare import template_fingerprint, tokenizer_fingerprint
-    from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
-
-    return {
-        "format": EVAL_FORMAT,
-        "code": _code_digest(),
-        "target": {
-            "model_config_hash": config_hash(report.model_path),
-            "weights_fingerprint": weights_fingerprint(report.model_path),
-            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-            "template_fingerprint": template_fingerprint(tokenizer),
-            "attn_implementation": report.attn_implementation,
-            "gdn_forward": report.gdn_forward if device.startswith("cuda") else "transformers",
-            "conv_kernel": report.conv_kernel,
-        },
-        "prompts": {"rows": len(rows), "digest": _digest(rows)},
-        "settings": {
-            "max_new_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature,
-            "chat_template_kwargs": cfg.chat_template_kwargs,
-        },
-        "device": {"type": torch.device(device).type, "dtype": str(dtype).removeprefix("torch.")},
-        "libraries": {"torch": torch.__version__, "transformers": transformers.__version__},
-    }
-
-
-def trained_key(common: dict, export_dir: str | Path) -> dict:
-    from dflash_pipeline.drafter.export import CONFIG, WEIGHTS
-
-    return {**common, "drafter": {"export_xxh3_128": _files_digest(export_dir, [CONFIG, WEIGHTS])}}
-
-
-def baseline_key(common: dict, spec, seed: int) -> dict:
-    return {**common, "drafter": {"untrained": spec.to_dict(), "seed": seed}}
-
-
-# ---- the baseline cache -------------------------------------------------------------------------------------
-def baseline_cache_dir() -> Path:
-    """$DFLASH_HOME/baselines (default ~/.cache/dflash-pipeline/baselines), read at each call."""
-    from dflash_pipeline.embedded.build import dflash_home
-
-    return dflash_home() / "baselines"
-
-
-def _read_baseline(path: Path, key: dict) -> list[dict] | None:
-    try:
-        rec = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("ignoring the unreadable baseline cache file %s (%s): measuring again", path, e)
-        return None
-    return rec.get("per_prompt") if rec.get("key") == key else None
-
-
-def _write_baseline(path: Path, key: dict, per_prompt: list[dict], elapsed_s: float) -> None:
-    """One file per key, replaced atomically; a cache that cannot be written only costs a later recompute."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        rec = {"key": key, "per_prompt": per_prompt, "measured_s": round(elapsed_s, 3), "created": time.time()}
-        tmp.write_text(json.dumps(rec, default=str))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("could not write the baseline cache %s (%s): the next evaluation measures it again", path, e)
-
-
 class _ForwardCounter:
     """Counts the target's forwards (a forward hook on the model): the evidence of what was measured."""
 
@@ -496,14 +399,14 @@ def evaluate_export(
     want_baseline = baseline and cfg.baseline != "off"
     if want_baseline:
         bkey = baseline_key(common, spec, seed)
-        bdigest = _digest(bkey)
+        bdigest = digest(bkey)
         cache = baseline_cache_dir() / f"{bdigest[:32]}.json"
         if cfg.baseline == "cached":
-            untrained = _read_baseline(cache, bkey)
+            untrained = read_baseline(cache, bkey)
             if untrained is None and stored.get("baseline_key_digest") == bdigest:
                 untrained = stored.get("untrained_per_prompt")  # the cache file is gone: the export kept a copy
                 if untrained is not None:
-                    _write_baseline(cache, bkey, untrained, 0.0)
+                    write_baseline(cache, bkey, untrained, 0.0)
     baseline_reused = None if not want_baseline else untrained is not None
 
     fwd_trained = fwd_base = 0
@@ -523,14 +426,14 @@ def evaluate_export(
                 fresh = DFlashDrafter(spec).to(device=device, dtype=dtype).eval()
                 untrained = _steps(fresh, target, tok, cfg, rows, _progress_log("untrained baseline"))
                 fwd_base = counter.n
-                _write_baseline(cache, bkey, untrained, time.monotonic() - tb)
+                write_baseline(cache, bkey, untrained, time.monotonic() - tb)
         finally:
             counter.close()
     rep = _report(trained, rows, cfg, spec.block_size, untrained)
     rep.reused, rep.baseline_reused = reused, baseline_reused
     rep.baseline_cache = str(cache) if cache else None
     rep.target_forwards, rep.baseline_forwards = fwd_trained, fwd_base
-    rep.key, rep.key_digest, rep.baseline_key_digest = key, _digest(key), bdigest
+    rep.key, rep.key_digest, rep.baseline_key_digest = key, digest(key), bdigest
     rep.plot_path = str(plot_acceptance(rep, Path(export_dir).parent / PLOT))
     rep.elapsed_s = round(time.monotonic() - t0, 3)
     log.info("evaluate: %s", rep.reuse_line())
