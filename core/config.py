@@ -228,11 +228,12 @@ class ExtractConfig(Section):
     store_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="'auto' = the model's compute dtype."
     )
-    store_precision: Literal["full", "fp8", "int8"] = Field(
+    store_precision: Literal["full", "fp8", "int8", "int4"] = Field(
         "full",
         description="How hidden states are stored: 'full' (in store_dtype, bit-exact), 'fp8' (e4m3 with one "
         "float32 scale per token row and layer: about half the bytes of bf16), 'int8' (symmetric, one float32 "
-        "scale per row). Compact rows are quantized on the GPU and dequantized into store_dtype on read "
+        "scale per row), 'int4' (symmetric, two values a byte, one scale per group of 32 channels: 0.27 of bf16). "
+        "Compact rows are quantized on the GPU and dequantized into store_dtype on read "
         "(docs/STORE.md, 'Compact precisions'); a store version holds one precision.",
     )
     io_retries: int = Field(5, ge=1, description="Attempts for a store write before giving up.")

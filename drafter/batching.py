@@ -54,10 +54,10 @@ def states(batch: dict, name: str, precision: str, logical: torch.dtype, dtype: 
         return x.to(dtype)
     from dflash_pipeline.storage.quant import dequantize
 
-    if x.dim() == scale.dim():  # hidden [B, T, K*H] with scales [B, T, K]
+    if name == "hidden":  # [B, T, K*H'] with scales [B, T, K, ...] (H' = H, or H/2 for int4)
         bsz, t, kh = x.shape
-        k = scale.shape[-1]
-        return dequantize(x.view(bsz, t, k, kh // k), scale, precision, logical).view(bsz, t, kh).to(dtype)
+        k = scale.shape[2]
+        return dequantize(x.view(bsz, t, k, kh // k), scale, precision, logical).view(bsz, t, -1).to(dtype)
     return dequantize(x, scale, precision, logical).to(dtype)
 
 

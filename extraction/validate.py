@@ -32,7 +32,7 @@ from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.extraction.loader import decoder_layers, forward_or_eager
 from dflash_pipeline.storage import quant
-from dflash_pipeline.storage.layout import DTYPES
+from dflash_pipeline.storage.layout import DTYPES, sharded_arrays
 from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import validated_state, verify_version
@@ -193,7 +193,7 @@ def validate_store(
         attrs = store.attrs(version)
         logical, k_ids, hidden_size = attrs["logical_dtype"], list(attrs["layer_ids"]), attrs["hidden_size"]
         precision = attrs.get("precision", "full")
-        stored_dtype = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
+        stored_rows = quant.row_shapes(precision, DTYPES[logical][0], len(k_ids), hidden_size)
     except Exception as e:  # noqa: BLE001 - damaged version attributes: nothing else can be checked
         report.add("version attributes readable", False, f"{type(e).__name__}: {e}")
         return report
@@ -248,7 +248,7 @@ def validate_store(
                 ua,
                 logical,
                 precision,
-                stored_dtype,
+                stored_rows,
                 k_ids,
                 hidden_size,
                 capture_last,
@@ -322,22 +322,18 @@ def validate_store(
 
 
 def _check_unit_arrays(
-    store, version, u, ua, logical, precision, stored_dtype, k_ids, hidden_size, capture_last, ds, prepared_ids,
+    store, version, u, ua, logical, precision, stored_rows, k_ids, hidden_size, capture_last, ds, prepared_ids,
     acc, acc_last, cfg, report, meta_errors, id_errors, mask_errors,
 ):  # fmt: skip
     g = store.open_unit(version, u)
     n_tok = ua["n_tokens"]
     expected = {
-        "hidden": ((n_tok, len(k_ids), hidden_size), stored_dtype),
         "input_ids": ((n_tok,), np.dtype("int32")),
         "loss_mask": ((n_tok,), np.dtype("uint8")),
     }
-    if capture_last:
-        expected["last_hidden"] = ((n_tok, hidden_size), stored_dtype)
-    if precision != "full":
-        expected["hidden_scale"] = ((n_tok, len(k_ids)), quant.SCALE_DTYPE)
-        if capture_last:
-            expected["last_hidden_scale"] = ((n_tok,), quant.SCALE_DTYPE)
+    for name in sharded_arrays(capture_last, precision):  # stored_rows: quant.row_shapes (per token)
+        row, dtype = stored_rows[name]
+        expected[name] = ((n_tok, *row), dtype)
     for name, (shape, dtype) in expected.items():
         if name not in g:
             meta_errors.append(f"{u}/{name} is missing")

@@ -82,7 +82,7 @@ def published_version(store: Store, unvalidated: str = "refuse") -> str:
 class HiddenStateDataset(torch.utils.data.Dataset):
     """Items: {'sample_id', 'input_ids' [T] long, 'loss_mask' [T] bool, 'hidden' [T, K, H],
     and 'last_hidden' [T, H] when captured}; hidden states in the store's logical dtype (the dtype training
-    reads; a compact store's fp8 / int8 values are dequantized into it)."""
+    reads; a compact store's fp8 / int8 / int4 values are dequantized into it)."""
 
     def __init__(
         self,
@@ -102,8 +102,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         content: each shard is read once more the first time a sample in it is read). `partial`: read the
         committed samples of units not yet complete (a version being extracted); by default every planned unit
         must be complete. `dequantize=False` (a compact store only): items hold the stored values as they are
-        ('hidden' uint8 e4m3 bits or int8) plus 'hidden_scale' [T, K] (and 'last_hidden_scale' [T]), for a
-        consumer that dequantizes on its GPU (training does: half the bytes to copy, no CPU decoding).
+        ('hidden' uint8 e4m3 bits or int8, [T, K, H]; int4: uint8 [T, K, H/2]) plus 'hidden_scale' [T, K]
+        float32 (int4: uint8 [T, K, 4 + groups]) and 'last_hidden_scale' likewise, for a consumer that
+        dequantizes on its GPU (training does: a half or a quarter of the bytes to copy, no CPU decoding).
         `retired`: units whose data retention deleted (docs/STORE.md, "Retention") make the constructor raise
         ("refuse", the default) or, with "index" (a training's reader, so that a training resumed after its
         `consumed` units were deleted sees the same samples in the same order), stay in the index from their plan
@@ -139,7 +140,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             log.warning("%s; reading it anyway (unvalidated='warn')", msg)
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
-        self.precision = self.attrs.get("precision", "full")  # fp8 / int8: dequantized on read
+        self.precision = self.attrs.get("precision", "full")  # fp8 / int8 / int4: dequantized on read
         self.dequantize = dequantize or self.precision == "full"
         self.logical_torch = DTYPES[self.logical][1]  # the dtype of the values this dataset stands for
         self.layer_ids: list[int] = self.attrs["layer_ids"]
@@ -322,7 +323,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 def read_rows(arrays, name: str, sl: slice, logical: str, precision: str) -> torch.Tensor:
     """Rows `sl` of array `name` ("hidden" or "last_hidden") of one unit (`arrays`: its zarr group, or a dict of
     its arrays) as a tensor in the logical dtype: bit-exact for precision "full", dequantized with the rows'
-    scales (array `<name>_scale`) for fp8 / int8."""
+    scales (array `<name>_scale`) for fp8 / int8 / int4."""
     if precision == "full":
         return from_storage(arrays[name][sl], logical)
     return quant.dequantize(arrays[name][sl], arrays[quant.SCALE_OF[name]][sl], precision, DTYPES[logical][1])

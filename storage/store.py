@@ -461,12 +461,12 @@ class Store:
         k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
         precision = attrs.get("precision", "full")
         new_units = []
-        stored = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
+        row, stored = quant.row_shapes(precision, DTYPES[logical][0], k, hidden)["hidden"]
         for gi, members in enumerate(groups):
             order = sorted(members, key=lambda i: (-lengths[i], i))
             name = f"u{next_no + gi:05d}"
             n_tokens = sum(lengths[i] for i in order)
-            chunk, shard = chunking(k * hidden * stored.itemsize, chunk_mib, shard_mib, n_tokens)
+            chunk, shard = chunking(int(np.prod(row)) * stored.itemsize, chunk_mib, shard_mib, n_tokens)
             starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
             plan = {
                 "samples": [[sample_ids[i], int(st), int(lengths[i])] for i, st in zip(order, starts)],
@@ -609,16 +609,10 @@ class Store:
     def _create_unit_files(self, version, name, plan, order, fetch, k, hidden, capture_last, precision) -> None:
         logical, n_tokens = plan["logical_dtype"], plan["n_tokens"]
         chunk, shard = plan["chunk_tokens"], plan["shard_tokens"]
-        stored = DTYPES[logical][0] if precision == "full" else quant.STORED[precision]
+        row_shapes = quant.row_shapes(precision, DTYPES[logical][0], k, hidden)
         rel = self._unit_rel(version, name)
         self.loc.rmtree(rel)
         g = self.loc.open_group(rel, mode="w")
-        row_shapes = {
-            "hidden": ((k, hidden), stored),
-            "last_hidden": ((hidden,), stored),
-            "hidden_scale": ((k,), quant.SCALE_DTYPE),
-            "last_hidden_scale": ((), quant.SCALE_DTYPE),
-        }
         for array in sharded_arrays(capture_last, precision):
             # Every sharded array has the same shard length along tokens as `hidden`, so one commit covers all.
             row, dtype = row_shapes[array]

@@ -1,11 +1,12 @@
-"""Compact precisions (extract.store_precision fp8 / int8): round trip within the documented bound, a decode with
-plain zarr + numpy exactly as docs/STORE.md describes it, validation of a compact store (and of a damaged
-scale), and a version never mixing precisions."""
+"""Compact precisions (extract.store_precision fp8 / int8 / int4): round trip within the documented bound, a decode
+with plain zarr + numpy exactly as docs/STORE.md describes it (int4: the decoder written there, run as it is),
+validation of a compact store (and of a damaged scale), and a version never mixing precisions."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import extract_local
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPACT = ["fp8", "int8", "int4"]
 
 OVERRIDES = {
     "data.max_samples": 24,
@@ -34,14 +38,15 @@ def stores(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("compact")
     return {
         p: extract_local(root / p, {**OVERRIDES, "extract.store_precision": p}, validate=True)
-        for p in ("full", "fp8", "int8")
+        for p in ("full", *COMPACT)
     }
 
 
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
+@pytest.mark.parametrize("precision", COMPACT)
 def test_round_trip_within_the_documented_bound(stores, precision):
     """Each row read back is within quant.error_bound of the full-precision row (the same forward, same batches:
-    the compact store holds exactly Q(x) of the x the full store holds), and the data takes 1 byte a value."""
+    the compact store holds exactly Q(x) of the x the full store holds), and the data takes 1 byte a value (int4:
+    half a byte, with a scale byte per 32 channels and a float32 per row)."""
     full, compact = HiddenStateDataset(stores["full"].store), HiddenStateDataset(stores[precision].store)
     assert compact.precision == precision and len(compact) == len(full) == 24
     worst = 0.0
@@ -61,8 +66,20 @@ def test_round_trip_within_the_documented_bound(stores, precision):
         last_scale = torch.from_numpy(g["last_hidden_scale"][sl])
         err = float((got["last_hidden"] - ref["last_hidden"]).norm())
         assert err <= quant.error_bound(precision, last_scale, ref["last_hidden"]) * (1 + 1e-5) + 1e-6
-    assert 0 < worst < (0.0625 if precision == "fp8" else 0.02)
-    assert g["hidden"].dtype == quant.STORED[precision] and g["hidden_scale"].dtype == np.float32
+    assert 0 < worst < {"fp8": 0.0625, "int8": 0.02, "int4": 0.2}[precision]
+    shapes = quant.row_shapes(precision, np.dtype("float32"), 3, 64)  # the embedded target: hidden 64
+    for name in ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale"):
+        assert (g[name].shape[1:], g[name].dtype) == shapes[name], name
+    if precision == "int4":
+        assert g["hidden"].shape[1:] == (3, 32) and g["hidden_scale"].shape[1:] == (3, 4 + 2)
+
+
+def _documented_int4_decoder():
+    """docs/STORE.md's numpy-only int4 decoder, run exactly as written there."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "STORE.md").read_text(), flags=re.S)
+    space: dict = {}
+    exec(next(b for b in blocks if "def decode_int4" in b), space)  # the documented snippet, as written
+    return space["decode_int4"]
 
 
 def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
@@ -71,6 +88,7 @@ def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
 
     g = zarr.open_group(str(version_dir), mode="r")
     precision = g.attrs["precision"]
+    decode_int4 = _documented_int4_decoder()
     b = np.arange(256)
     e, m = (b >> 3) & 0xF, b & 0x7
     table = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7.0))
@@ -83,12 +101,15 @@ def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
                 continue
             q = unit["hidden"][start : start + length]
             s = unit["hidden_scale"][start : start + length]
+            if precision == "int4":
+                out[sid] = decode_int4(q, s)
+                continue
             values = table[q] if precision == "fp8" else q.astype(np.float32)
             out[sid] = values * s[..., None]
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
+@pytest.mark.parametrize("precision", COMPACT)
 def test_third_party_decode_with_plain_zarr_equals_the_reader(stores, precision):
     version = stores[precision].plan.version  # (a later test adds another version beside it)
     decoded = _decode_as_documented(Path(stores[precision].store) / version)
@@ -146,6 +167,15 @@ def test_validation_passes_and_reports_a_corrupted_scale(stores, model_dir, tmp_
             ds[i]
 
 
+def test_an_int4_store_passes_validation_within_its_bound(stores):
+    """The run's validation (the fixture's validate stage) recomputed samples and found the int4 store within the
+    logical dtype's tolerance plus int4's bound; the bound is what lets it pass."""
+    report = stores["int4"].validation
+    assert report.ok, report.failures
+    assert report.recomputed and all(0 < r["max_rel_err"] <= r["tolerance"] for r in report.recomputed)
+    assert max(r["max_rel_err"] for r in report.recomputed) > 1e-2  # int4's error: far above float32's 1e-4
+
+
 def test_another_precision_never_mixes_into_a_version(stores):
     """Rerunning a store with another precision is refused (or, with extract.new_version, a new version)."""
     out = Path(stores["fp8"].cfg.output_dir)
@@ -158,7 +188,7 @@ def test_another_precision_never_mixes_into_a_version(stores):
     assert store.attrs(stores["fp8"].plan.version)["precision"] == "fp8"
 
 
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
+@pytest.mark.parametrize("precision", COMPACT)
 def test_training_dequantizes_on_its_device_to_the_readers_values(stores, precision):
     """Training reads a compact store as stored (half the bytes to its device, no CPU decoding) and dequantizes
     in the batch: the same values the reader returns when it dequantizes; a couple of steps train."""
@@ -167,7 +197,8 @@ def test_training_dequantizes_on_its_device_to_the_readers_values(stores, precis
     store, version = stores[precision].store, stores[precision].plan.version  # (a later version may exist)
     raw, deq = HiddenStateDataset(store, version, dequantize=False), HiddenStateDataset(store, version)
     bq, b = collate([raw[i] for i in range(4)]), collate([deq[i] for i in range(4)])
-    assert bq["hidden"].dtype == quant.STORED_TORCH[precision] and bq["hidden_scale"].dtype == torch.float32
+    scale_dtype = torch.uint8 if precision == "int4" else torch.float32
+    assert bq["hidden"].dtype == quant.STORED_TORCH[precision] and bq["hidden_scale"].dtype == scale_dtype
     for name in ("hidden", "last_hidden"):
         assert torch.equal(states(bq, name, precision, raw.logical_torch, torch.float32), b[name].float())
 
