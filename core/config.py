@@ -281,6 +281,14 @@ class PlanConfig(Section):
     calibration_tokens: int = Field(
         4096, ge=1, description="Tokens of randomly picked prepared samples written to measure bytes per token."
     )
+    write_test_mib: int = Field(
+        0,
+        ge=0,
+        description="MiB written to the store's directory (O_DIRECT where supported, else fsync'd; then removed) to "
+        "measure the disk's sustained write bandwidth, which the plan compares with the bytes per second each "
+        "store precision would produce: which ones keep extraction GPU-bound, how long each takes, which to use. "
+        "A few GB (e.g. 4096) measure a fresh cloud disk; 0 = skip (local stores only).",
+    )
 
 
 class RetentionConfig(Section):

@@ -39,7 +39,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import read_model_config
 from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.storage import quant, retention
+from dflash_pipeline.storage import diskcheck, quant, retention
 from dflash_pipeline.storage.commit import crash_points_off, write_atomic
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
 from dflash_pipeline.storage.shardio import pid_alive
@@ -132,6 +132,9 @@ class StoreEstimate:
     throughput_basis: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     calibration_reused: bool = False  # read back from an earlier calibration with the same key (planner.plan_dir)
+    # plan.write_test_mib: the store disk's measured write bandwidth against each precision (storage/diskcheck.py)
+    disk_advice: dict | None = None
+    disk_lines: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +171,7 @@ class StoreEstimate:
             f"GPU ({self.gpu or '-'}, {self.gpu_source}): {hours}",
             *(f"throughput basis: {b}" for b in self.throughput_basis),
             *(f"note: {n}" for n in self.notes),
+            *self.disk_lines,
         ]
 
     def to_markdown(self) -> str:
@@ -540,7 +544,58 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
             f"training: {tr.tokens_per_s:,} tokens/s recorded on one {tr.gpu} for the {tr.what} ({tr.source}), "
             f"scaled by draft layers x hidden^2 ({n_draft} x {h}^2) and bf16 peak; {epochs:g} epochs",
         ]
+    est.disk_advice, est.disk_lines = disk_check(cfg, report, est, logical)
     return est
+
+
+def precision_bytes_per_token(est: StoreEstimate, logical: str) -> dict[str, float]:
+    """Bytes per token on disk of each precision (PRECISIONS order): the run's own precision as calibrated, the
+    others from their formats uncompressed (an upper bound: quantized values compress little, bf16 ~1.45x), each
+    with the ids, the mask and the calibrated metadata per token."""
+    rows = len(est.layers) + (1 if est.capture_last else 0)
+    extra = 4 + 1 + est.metadata_bytes_per_sample * est.samples / max(est.tokens, 1)  # input_ids, loss_mask
+    out = {}
+    for p in quant.PRECISIONS:
+        if p == est.precision:
+            out[p] = est.bytes_per_token
+            continue
+        try:
+            out[p] = rows * quant.row_bytes(p, est.hidden_size, DTYPES[logical][0].itemsize) + extra
+        except ValueError:  # int4 on an odd hidden size
+            continue
+    return out
+
+
+def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical: str) -> tuple[dict | None, list[str]]:
+    """(diskcheck.advise's figures, the plan's lines about them): plan.write_test_mib MiB written to the store's
+    disk, compared with what each precision would produce at the estimated extraction rate of every GPU worker."""
+    mib = cfg.plan.write_test_mib
+    if not mib:
+        return None, [
+            "disk write speed: not measured (plan.write_test_mib=0; e.g. 4096 measures it and says which store "
+            "precision keeps extraction GPU-bound)"
+        ]
+    if "://" in cfg.store:
+        return None, ["disk write speed: not measured (object storage)"]
+    p = Path(cfg.store)
+    where = next((a for a in (p, *p.parents) if a.exists()), Path("/"))
+    try:
+        test = diskcheck.measure_write_bandwidth(where, mib)
+    except OSError as e:
+        return None, [f"disk write speed: the write test in {where} failed ({e.strerror or e}); not compared"]
+    lines = [f"disk write speed: {test.line()}"]
+    if not est.extract_tokens_per_s:
+        return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
+    workers = max(1, sum(r.startswith("cuda") for r in report.replicas))
+    advice = diskcheck.advise(
+        test.bytes_per_s, est.extract_tokens_per_s * workers, est.tokens, precision_bytes_per_token(est, logical)
+    )
+    lines += advice.lines()
+    if advice.recommended != est.precision:
+        pick = next(o for o in advice.options if o.precision == advice.recommended)
+        why = "to keep extraction GPU-bound on this disk" if pick.gpu_bound else "to wait least for this disk"
+        lines.append(f"set extract.store_precision={advice.recommended} {why}")
+    return {**advice.to_dict(), "write_test": test.__dict__, "workers": workers}, lines
 
 
 def check_room(est: StoreEstimate, cfg: RunConfig) -> None:
@@ -552,7 +607,7 @@ def check_room(est: StoreEstimate, cfg: RunConfig) -> None:
         f"the store needs about {est.needed_bytes / gib:,.3f} GiB ({est.tokens:,} tokens x "
         f"{est.bytes_per_token:,.0f} bytes, precision {est.precision}, compression {est.compression}) but "
         f"{cfg.store} has {est.free_bytes / gib:,.3f} GiB ({est.free_source}). Free space, choose another "
-        "store_path, set extract.store_precision=fp8 (about half of bf16), or start anyway with "
-        "plan.disk_check=false (the extraction then stops with an error when the disk is full, and resumes "
-        "once there is room)"
+        "store_path, set extract.store_precision=fp8 (about half of bf16) or int4 (about a quarter), or start "
+        "anyway with plan.disk_check=false (the extraction then stops with an error when the disk is full, and "
+        "resumes once there is room)"
     )
