@@ -149,6 +149,7 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ref = amax / QMAX["int4"]
     step = ref.unsqueeze(-1) * steps[codes]
     y = xg / step.unsqueeze(-1)
+    del xf, xg  # a float32 copy of the rows less on the device while q is made
     y.nan_to_num_(0.0, 7.0, -7.0).round_().clamp_(-7.0, 7.0)  # 0 / 0 of an all-zero row or group -> 0
     q = y.to(torch.int16).view(*lead, n_groups * INT4_GROUP)[..., :h]
     packed = ((q[..., 0::2] & 15) | ((q[..., 1::2] & 15) << 4)).to(torch.uint8)
