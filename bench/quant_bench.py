@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             rest[7] = False
             err_rest = (y - xf)[..., rest].norm() / xf[..., rest].norm()
             err_massive = (y - xf)[..., 7].norm() / xf[..., 7].norm()
+            # The same rows quantized on the CPU, and the GPU's bytes decoded on the CPU: the store must not depend
+            # on where it was written or read (the reader decodes with numpy, training on the GPU).
+            qc, sc = quant.quantize(x[:1024].cpu(), p)
+            same_bytes = bool(torch.equal(qc, q[:1024].cpu()) and torch.equal(sc, scale[:1024].cpu()))
+            y_cpu = quant.dequantize(q[:1024].cpu(), scale[:1024].cpu(), p, torch.float32)
+            same_decode = bool(torch.equal(y_cpu, y[:1024].cpu()))
             rows.append(
                 {
                     "shape": name,
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     "rel_l2": float(err),
                     "rel_l2_other_channels": float(err_rest),
                     "rel_l2_massive_channel": float(err_massive),
+                    "cpu_quantize_bit_equal": same_bytes,
+                    "cpu_decode_bit_equal": same_decode,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
