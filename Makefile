@@ -21,11 +21,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Lint, then the unit, integration and e2e layers (all but the load test: `make test-load`, which CI also runs).
+# Lint, then the unit, integration and e2e layers (all but the load tests: `make test-load`, which CI also runs), on
+# two pytest-xdist workers (TEST_WORKERS=0: one process). A module's tests stay on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q tests -m "not load" $(ARGS)
+	$(BIN)/python -m pytest -q tests -m "not load" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
-# 20 flow runs on three Prefect workers against a PostgreSQL-backed server (minutes; needs PostgreSQL's binaries).
+# 20 flow runs on three Prefect workers against a PostgreSQL-backed server, and the team server's failure cases
+# (minutes; needs PostgreSQL's binaries).
 test-load: install
 	$(BIN)/python -m pytest -q tests -m load $(ARGS)
 

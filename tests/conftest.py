@@ -92,9 +92,43 @@ def small_store(model_dir, tmp_path_factory):
 _LAYERS = ("unit", "integration", "e2e")
 
 
+# `make test` runs on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker is its own process with its own
+# PREFECT_HOME, session Prefect harness, tmp dirs and free ports; a module's tests stay on one worker (their module
+# fixtures are built once), and the modules that share the session's PostgreSQL cluster and `serve` on it are one group
+# (one cluster, one server), as are those that share the wheel's virtualenv. The heaviest modules are handed out
+# first, so that the two workers finish together.
+_SHARED_GROUPS = {
+    "tests/e2e/test_postgres.py": "postgres",
+    "tests/e2e/test_browser.py": "postgres",
+    "tests/e2e/test_deployments.py": "wheel",  # both use the session's wheel_env (one wheel build)
+    "tests/e2e/test_wheel.py": "wheel",
+}
+_HEAVY_FIRST = [
+    "tests/e2e/test_postgres.py",
+    "tests/e2e/test_browser.py",
+    "tests/e2e/test_deployments.py",
+    "tests/e2e/test_signals.py",
+    "tests/e2e/test_run_console.py",
+    "tests/e2e/test_cli_errors.py",
+    "tests/e2e/test_ray.py",
+    "tests/e2e/test_wheel.py",
+    "tests/e2e/test_flow.py",
+]
+
+
+def _module(item) -> str:
+    return item.path.relative_to(item.config.rootpath).as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its layer, the folder it lives in (tests/unit, tests/integration, tests/e2e)."""
+    """Mark each test with its layer, the folder it lives in (tests/unit, tests/integration, tests/e2e), and with its
+    xdist group (its module, or the shared resource's group); order the heaviest modules first."""
     for item in items:
         layer = next((p for p in item.path.relative_to(config.rootpath / "tests").parts if p in _LAYERS), None)
         assert layer, f"{item.nodeid}: every test lives in tests/unit, tests/integration or tests/e2e"
         item.add_marker(getattr(pytest.mark, layer))
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(_module(item), _module(item))))
+    rank = {m: i for i, m in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the same order on every worker

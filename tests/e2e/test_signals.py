@@ -8,13 +8,13 @@ The CLI runs from another directory with a relative output_dir: exactly one stor
 Each forward is slowed down (tests/slowdown) so that the signal surely lands mid-extraction. The stopped run starts
 Prefect's temporary server, as a user's first run does (it must be gone too).
 
-The rerun: after Ctrl-C it is what the CLI tells the user, the same command again (reporting to the session's Prefect
-server, PREFECT_API_URL, as with `dflash-pipeline serve`: a second temporary server's start-up proves nothing here).
-After the other stops it is the same run config through the pipeline's stages in this process (run_pipeline: store
-lock, worker process, resume, validation, CURRENT): what a rerun has to find is the store the stop left, and that is
-what the stop decides; the CLI and Prefect around the stages are the same as after Ctrl-C. (Workers ignore SIGINT and
-stop on their parent's SIGTERM after Ctrl-C and SIGTERM alike; after a SIGKILL of the CLI or of the worker, the worker
-died by SIGKILL, its parent-death signal.)"""
+The variants share one run (issue 32: the suite's time): each starts the same command in the same directory, so it
+resumes what the previous stop left, extracts further and is stopped its own way. The rerun, after the last stop, is
+what the CLI tells the user: the same command again (reporting to the session's Prefect server, PREFECT_API_URL, as
+with `dflash-pipeline serve`: each stopped run already started a temporary server); what a rerun has to find is the
+store the stops left, and that is what the stops decide. (Workers ignore SIGINT and stop on their parent's SIGTERM
+after Ctrl-C and SIGTERM alike; after a SIGKILL of the CLI or of the worker, the worker died by SIGKILL, its
+parent-death signal.)"""
 
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.config import load_config
-from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import verify_version
 from tests.helpers import KILL_OVERRIDES, assert_same_store, snapshot
@@ -80,12 +78,32 @@ def _worker_pids(pid: int) -> dict[int, str]:
     return {p: c for p, c in descendants(pid).items() if "extraction.worker_main" in c}
 
 
+def _committed(store: Store) -> int:
+    """Tokens committed to v0001 so far (0 before the run has planned it)."""
+    try:
+        return sum(store.commit_record("v0001", u)["committed_tokens"] for u in store.units("v0001"))
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> Path:
+    """The one run the stop variants share (issue 32: the suite's time): each variant starts the same command in the
+    same directory, so it resumes what the previous stop left, extracts further and is stopped its own way; after the
+    last one, test_the_stopped_run_resumes_bit_identical runs the command again to the end. One store stopped four
+    ways and resumed each time, instead of four runs each finished by its own rerun."""
+    d = tmp_path_factory.mktemp("stopped_run")
+    (d / "tmp").mkdir()
+    return d
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill", "worker-sigkill"])
-def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
-    how, clean_extraction, prefect_harness, tmp_path
-):
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+def test_stopping_a_run_leaves_no_process_and_a_clean_store(how, stopped_run):
+    tmp_path, tmpdir = stopped_run, stopped_run / "tmp"
+    store = Store(tmp_path / "run" / "store")
+    before = _committed(store)  # what the previous variants' stops left: this run resumes it
+    log = tmp_path / "cli.out"
+    offset = log.stat().st_size if log.exists() else 0  # the log of every variant's run, appended
     cli = _cli(tmp_path, tmpdir, slow=True)
     try:
         deadline = time.monotonic() + 300
@@ -93,8 +111,7 @@ def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
             assert cli.poll() is None, (tmp_path / "cli.out").read_text()[-3000:]
             assert time.monotonic() < deadline, "no extraction worker started"
             time.sleep(0.2)
-        store = Store(tmp_path / "run" / "store")
-        while not any(store.commit_record("v0001", u)["committed_tokens"] for u in store.units("v0001")):
+        while _committed(store) <= before:  # this run's worker has extracted and committed more
             assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "cli.out").read_text()[-3000:]
             time.sleep(0.2)
         started = descendants(cli.pid)  # workers, writer processes, uvicorn, the guard
@@ -114,7 +131,7 @@ def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
-    out = (tmp_path / "cli.out").read_text()
+    out = log.read_bytes()[offset:].decode(errors="replace")  # this variant's run only
     print(f"{how}: CLI exited {rc}, every process it started gone {elapsed:.1f} s after the signal")
     assert not left, f"{how}: still running after {STOP_BOUND_S} s: {left}"
     assert not alive(workers)
@@ -129,12 +146,18 @@ def test_stopping_a_run_leaves_no_process_and_a_rerun_is_bit_identical(
         assert "Traceback" not in out, out[-3000:]
     assert store.current() is None  # nothing half-done was published
 
-    if how == "ctrl-c":
-        rerun = _cli(tmp_path, tmpdir, slow=False, api_url=prefect_harness)
+
+def test_the_stopped_run_resumes_bit_identical(stopped_run, clean_extraction, prefect_harness):
+    """After the stops, what the CLI tells the user: the same command again. It reports to the session's Prefect
+    server (PREFECT_API_URL, as with `dflash-pipeline serve`: a temporary server's start-up was proven by each stop)."""
+    tmp_path, tmpdir = stopped_run, stopped_run / "tmp"
+    store = Store(tmp_path / "run" / "store")
+    rerun = _cli(tmp_path, tmpdir, slow=False, api_url=prefect_harness)
+    try:
         assert rerun.wait(timeout=400) == 0, (tmp_path / "cli.out").read_text()[-3000:]
-    else:
-        summary = run_pipeline(load_config(None, {**OVERRIDES, "output_dir": str(tmp_path / "run")}), LocalRunner())
-        assert summary.validation == "PASS" and 0 < summary.forward_passes < clean_extraction.result.forward_passes
+    finally:
+        if rerun.poll() is None:
+            os.killpg(rerun.pid, signal.SIGKILL)
     assert [p.name for p in tmp_path.rglob("store") if p.is_dir()] == ["store"]  # one store, under cwd/run
     assert store.current() == "v0001" and verify_version(store, "v0001").ok
     assert_same_store(snapshot(store, "v0001"), snapshot(Store(clean_extraction.store), "v0001"))
