@@ -236,7 +236,17 @@ def train(
             sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, tokens, supervised, correct, stop
             for micro in range(cfg.grad_accum):
                 tw = time.perf_counter()
-                batch = next(batches)
+                try:
+                    batch = next(batches)
+                except RuntimeError as e:
+                    if not (stop.flag and d.world == 1 and "DataLoader worker" in str(e)):
+                        raise
+                    # A worker forked in the instant the stop signal reached the process group (before it left the
+                    # group: _leave_stopping_to_the_trainer) died of it. That is the stop, not a failure: save the
+                    # last finished step, as at any step boundary (this step's partial gradients are dropped).
+                    log.warning("a DataLoader worker died of the stop signal: stopping at step %d", step)
+                    interrupted = True
+                    break
                 wait += time.perf_counter() - tw
                 seed = (cfg.seed * 1_000_003 + step * cfg.grad_accum + micro) * 1009 + d.rank
                 loss, st = _micro_step(
@@ -248,6 +258,9 @@ def train(
                 sums[3] += st["correct"]
                 work["queries"] += st["queries"]
                 work["attn_pairs"] += st["attn_pairs"]
+            if interrupted:
+                save(step)
+                break
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
