@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"  # and in every process a test starts (core/threads.py honours it)
+
+# Every process a test starts inherits this mark in its environment: what a failing test left running is found at the
+# end of the session (below), orphans of a killed CLI included (they are no longer below pytest in the process tree).
+# One mark per process: each pytest-xdist worker sweeps what it started, not what the other one still runs.
+_SESSION_MARK = f"DFLASH_TEST_SESSION={os.getpid()}-{uuid.uuid4().hex[:12]}"
+os.environ["DFLASH_TEST_SESSION"] = _SESSION_MARK.split("=", 1)[1]
 
 
 @pytest.fixture(scope="session")
@@ -103,16 +112,25 @@ _SHARED_GROUPS = {
     "tests/e2e/test_deployments.py": "wheel",  # both use the session's wheel_env (one wheel build)
     "tests/e2e/test_wheel.py": "wheel",
 }
+# Longest first (seconds of one module on a worker of `make test`, 2026-12-02), then the rest in collection order:
+# the integration modules, then the many quick unit ones, which fill the end. Makefile passes --no-loadscope-reorder:
+# xdist would otherwise hand out the modules with the most tests first, and these long ones last.
 _HEAVY_FIRST = [
-    "tests/e2e/test_postgres.py",
+    "tests/e2e/test_deployments.py",  # with test_wheel.py: ~190 s
+    "tests/e2e/test_postgres.py",  # with test_browser.py: ~60 s
     "tests/e2e/test_browser.py",
-    "tests/e2e/test_deployments.py",
-    "tests/e2e/test_signals.py",
-    "tests/e2e/test_run_console.py",
-    "tests/e2e/test_cli_errors.py",
-    "tests/e2e/test_ray.py",
+    "tests/e2e/test_signals.py",  # ~105 s
+    "tests/integration/test_drafter_pipeline.py",  # ~70 s
+    "tests/e2e/test_cli_errors.py",  # ~50 s
+    "tests/integration/test_object_store.py",  # ~45 s
+    "tests/integration/test_kill_resume.py",  # ~35 s
+    "tests/integration/test_regenerate_server.py",  # ~35 s
+    "tests/e2e/test_run_console.py",  # ~33 s
+    "tests/e2e/test_flow.py",  # ~32 s
+    "tests/e2e/test_ray.py",  # ~27 s
+    "tests/integration/test_drafter_model.py",
+    "tests/integration/test_integrity.py",
     "tests/e2e/test_wheel.py",
-    "tests/e2e/test_flow.py",
 ]
 
 
@@ -132,3 +150,61 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(_module(item), _module(item))))
     rank = {m: i for i, m in enumerate(_HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the same order on every worker
+
+
+def _left_running() -> dict[int, str]:
+    """pid -> command line of every live process (not this one) whose environment carries this session's mark."""
+    from tests.proctree import alive
+
+    mark, marked = _SESSION_MARK.encode(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                if mark in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
+                    marked.append(int(d))
+            except OSError:  # gone, or a kernel thread
+                continue
+    return alive(marked)
+
+
+_LEAKS: list[str] = []  # the xdist controller's: what its workers reported
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(xdist controller) A worker is done: what it found left running, for the controller's summary."""
+    _LEAKS.extend(getattr(node, "workeroutput", {}).get("left_running", []))
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' teardown (servers, clusters, harness)
+def pytest_sessionfinish(session, exitstatus):
+    """No test leaves a process behind, even when it fails: what is still running now is killed and named, and the run
+    fails (a leak is a bug). Each xdist worker sweeps what it started and reports it to the controller."""
+    if session.config.pluginmanager.has_plugin("dsession"):  # the xdist controller: it starts no test process
+        left = _LEAKS
+    else:
+        found = _left_running()
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        left = [f"{pid}: {cmd[:200]}" for pid, cmd in found.items()]
+        if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller says it
+            session.config.workeroutput["left_running"] = left
+            return
+    if left:
+        lines = "\n".join(f"  {line}" for line in left)
+        print(f"\ntests left {len(left)} processes running; killed:\n{lines}", file=sys.__stderr__)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _workers_allowed():
+    """A run stopped in this process (a cancelled in-process flow) refuses new extraction workers until the next
+    run allows them (extraction/procs.py). Under pytest-xdist a worker process runs many modules' tests in turn, so
+    a test that starts workers directly must not inherit an earlier test's stop."""
+    from dflash_pipeline.extraction import procs
+
+    procs.allow_workers()
