@@ -58,12 +58,14 @@ def wheel_env(tmp_path_factory) -> Path:
     CLI, `serve` and the deployments of tests/e2e/test_deployments.py run from it); its dependencies come from
     the test environment's site-packages (a path entry, so this environment's editable install is not seen)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    if built.returncode:  # say why: a CalledProcessError hides pip's own message
+        pytest.fail(f"pip wheel of {ROOT} failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     (wheel,) = tmp.glob("dflash_pipeline-*.whl")
