@@ -22,10 +22,12 @@ lint: install
 	$(BIN)/ruff format --check .
 
 # Lint, then the unit, integration and e2e layers (all but the load tests: `make test-load`, which CI also runs), on
-# two pytest-xdist workers (TEST_WORKERS=0: one process). A module's tests stay on one worker (tests/conftest.py).
+# two pytest-xdist workers (TEST_WORKERS=0: one process). A module's tests stay on one worker, the heaviest modules
+# handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order: xdist's own puts the modules with the
+# most tests first, the many quick unit modules, and the long e2e ones came last).
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q tests -m "not load" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -q tests -m "not load" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 # 20 flow runs on three Prefect workers against a PostgreSQL-backed server, and the team server's failure cases
 # (minutes; needs PostgreSQL's binaries).
