@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import site
 import subprocess
 import sys
@@ -52,14 +53,33 @@ def pg_full_run(pg_server, tmp_path_factory):
     return pg_server, fr, out
 
 
+def _source_copy(dest: Path) -> Path:
+    """What the wheel is built from, copied from this checkout: pyproject.toml, the README and the package folders
+    it names. setuptools builds in the source's build/ folder; in the checkout itself that folder is shared with any
+    other build there (another suite, an install), and a build that one removed under it failed here with
+    "[Errno 2] No such file or directory"."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = {p.split("/")[0] for p in project["tool"]["setuptools"]["package-dir"].values()}
+    dest.mkdir()
+    for name in ["pyproject.toml", "README.md", *sorted(folders)]:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def wheel_env(tmp_path_factory) -> Path:
     """A fresh virtualenv holding the wheel built from this checkout (`pip install .`, not editable; the installed
     CLI, `serve` and the deployments of tests/e2e/test_deployments.py run from it); its dependencies come from
     the test environment's site-packages (a path entry, so this environment's editable install is not seen)."""
     tmp = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(tmp / "src")
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(src)],
         capture_output=True,
         text=True,
         timeout=300,
