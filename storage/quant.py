@@ -221,7 +221,7 @@ def error_bound(precision: str, scale, values: torch.Tensor) -> float:
     stored scales ([N] float32; int4: [N, 4 + groups] uint8), `values` [N, H] the true (or recomputed) rows."""
     h = values.shape[-1]
     if precision == "int4":
-        step = torch.as_tensor(int4_steps(scale.numpy() if isinstance(scale, torch.Tensor) else scale)).double()
+        step = torch.as_tensor(int4_steps(scale)).double().cpu()
         n = torch.full((step.shape[-1],), float(INT4_GROUP), dtype=torch.float64)
         n[-1] = h - INT4_GROUP * (step.shape[-1] - 1)  # the last group may be partial
         return float((n * (step / 2).pow(2)).sum().sqrt())

@@ -37,7 +37,7 @@ def log(msg: str) -> None:
 STAGES = ("probe", "regenerate", "prepare", "estimate", "plan", "extract", "validate", "train", "evaluate", "retain")
 
 
-def make_runner(args, work: Path, timings: dict, extra: dict):
+def make_runner(args, timings: dict, extra: dict):
     from dflash_pipeline import stages
 
     class Runner(stages.LocalRunner):
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     extra: dict = {}
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    runner = make_runner(args, work, timings, extra)
+    runner = make_runner(args, timings, extra)
     summary = stages.run_pipeline(cfg, runner)
     total = time.monotonic() - T0
     report = {

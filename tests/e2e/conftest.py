@@ -85,7 +85,7 @@ def wheel_env(tmp_path_factory) -> Path:
         timeout=300,
     )
     if built.returncode:  # say why: a CalledProcessError hides pip's own message
-        pytest.fail(f"pip wheel of {ROOT} failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
+        pytest.fail(f"pip wheel of {src} (a copy of {ROOT}) failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     (wheel,) = tmp.glob("dflash_pipeline-*.whl")
