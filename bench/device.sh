@@ -11,7 +11,8 @@
 # detached; then `collect` in a later call), resume (GPU kill-and-resume bit-identity), scaling (every visible GPU:
 # extraction and DDP training), conv (the hybrid kernels' error per layer against float32: fla's convolution, the
 # fused GDN forward), disk (write the fresh disk once before measuring the pipeline: `bash bench/device.sh disk
-# extract`), quant (each compact precision's quantization time per batch against the forward; bench/quant_bench.py),
+# extract`), extract-int4 (issue 29: the 8B pipeline at the precision the disk check recommends, then int4,
+# fp8, full), quant (each compact precision's quantization time per batch against the forward; bench/quant_bench.py),
 # realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
@@ -72,6 +73,12 @@ for step in "$@"; do
     disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( free > 6 ? (free - 6) * 64 : 0 ))
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
+    # Issue 29: the 8B pipeline with the precision the disk check recommends (on a fresh disk: run it first), then
+    # the other precisions on the same (by then written) disk
+    extract-int4) python3 extract_bench.py --shapes 8b --tokens "${INT4_TOKENS:-1000000}" --no-save --skip-naive \
+                    --writer-gib 0 --disk-check-mib 4096 --store-precision recommend \
+                    --b-variants "${INT4_VARIANTS:-store_precision=int4;store_precision=fp8;store_precision=full}" \
+                    --out "$OUT/int4" 2>&1 | tee "$OUT/int4_log.txt" ;;
     quant) python3 quant_bench.py --out "$OUT" 2>&1 | tee "$OUT/quant_log.txt" ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
     # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
@@ -98,14 +105,22 @@ for step in "$@"; do
         python3 bench/realtext/agreement.py --target runs/realtext/target --store runs/realtext/pipeline/store \
           --heldout runs/realtext/chat/heldout_prompts.jsonl --out /tmp/rt/agreement.json > /tmp/rt/agreement_log.txt 2>&1
         touch /tmp/rt/done" > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
-      echo "started, pid $!" ;;
+      echo $! > /tmp/rt/pid; echo "started, pid $!" ;;
     realtext-wait)
+      # A fresh machine (the one that ran realtext-all was given back between calls) has no chain: say so at once
+      if [[ ! -e /tmp/rt/pid ]]; then
+        echo "realtext-wait: no realtext-all chain on this machine (/tmp/rt/pid missing: the machine that ran it" \
+             "was released between calls); start again with realtext-all" >&2; exit 3
+      fi
       end=$(( $(date +%s) + ${RT_WAIT:-560} ))
-      while [[ ! -e /tmp/rt/done && $(date +%s) -lt $end ]]; do sleep 10; done
-      [[ -e /tmp/rt/done ]] && echo "chain done" || echo "chain still running"
+      while [[ ! -e /tmp/rt/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/rt/pid)" 2>/dev/null; do
+        sleep 10; done
+      if [[ -e /tmp/rt/done ]]; then echo "chain done"
+      elif kill -0 "$(cat /tmp/rt/pid)" 2>/dev/null; then echo "chain still running"
+      else echo "chain ended without finishing: see chain_log.txt and the stage logs"; fi
       cp -r /tmp/rt/. "$OUT/rt/"; cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json "$OUT/rt/" 2>/dev/null || true
       d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png "$d"/export/*.png "$OUT/rt/" 2>/dev/null || true
-      tail -5 /tmp/rt/target_log.txt; tail -25 /tmp/rt/pipeline_log.txt 2>/dev/null; cat /tmp/rt/agreement_log.txt 2>/dev/null || true ;;
+      tail -5 /tmp/rt/target_log.txt 2>/dev/null; tail -25 /tmp/rt/pipeline_log.txt 2>/dev/null; cat /tmp/rt/agreement_log.txt 2>/dev/null; true ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

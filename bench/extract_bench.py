@@ -62,6 +62,8 @@ from extract_measure import (
 )
 from instruments import Sampler, flops, linear_flops_per_token, matmul_peak
 
+from dflash_pipeline.storage import diskcheck, quant
+
 # (b) variant keys the bench handles itself; any other key is an extract.* setting
 BENCH_KEYS = ("threads", "switch", "codec_threads")
 
@@ -86,6 +88,13 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     res: dict = {"shape": shape}
     n_tokens = (args.tokens_27b if shape == "27b" else 0) or args.tokens or (600_000 if shape == "8b" else 200_000)
     save = (shape == "8b" or small_scale(shape)) and not args.no_save
+    # The disk check first, while the disk is as the run found it (a fresh cloud disk writes its first blocks slowly)
+    disk_test = None
+    if args.disk_check_mib:
+        work.mkdir(parents=True, exist_ok=True)
+        disk_test = diskcheck.measure_write_bandwidth(work, args.disk_check_mib)
+        res["disk_test"] = dataclasses.asdict(disk_test)
+        log(f"{shape}: {disk_test.line()}")
 
     t = time.monotonic()
     model = build_model(shape, device, dtype)
@@ -112,6 +121,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         "extract.conv_kernel": args.conv_kernel,
         "extract.gdn_forward": args.gdn_forward,
         **({"extract.unit_tokens": args.unit_tokens} if args.unit_tokens else {}),
+        # "recommend": (a) and the disk check pick (b)'s precision, as `plan` would on this disk
+        **({"extract.store_precision": args.store_precision} if args.store_precision != "recommend" else {}),
     }
     cfg = load_config(None, base)
     report = bench_probe(cfg)
@@ -192,6 +203,17 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             f"{shape}: (a) gdn_forward={gdn} ({fused_layers} fused) compile={mode} ({n} modules): "
             f"{am['tokens_per_s']:.0f} tok/s, MFU {am['mfu']:.3f}, GPU busy {am['gpu_busy']}"
         )
+    if disk_test is not None:  # diskcheck.advise as plan runs it, with (a)'s measured rate as the GPU's
+        k = len(report.layer_ids) + int(report.capture_last)
+        per_token = {p: k * quant.row_bytes(p, report.hidden_size) for p in diskcheck.PREFERENCE}
+        advice = diskcheck.advise(disk_test.bytes_per_s, a["tokens_per_s"], sum(lengths), per_token)
+        res["disk_advice"] = advice.to_dict()
+        for line in advice.lines():
+            log(f"{shape}: {line}")
+        if args.store_precision == "recommend":
+            base["extract.store_precision"] = advice.recommended
+            cfg = load_config(None, base)
+    res["store_precision"] = cfg.extract.store_precision
     use_gdn_forward(model, b_gdn)  # what (b)'s worker gets when the model is handed over in memory
     if args.profile_a:
         compile_modules(model, b_mode)
@@ -225,11 +247,13 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
     b["mfu"] = total_flops / b["seconds"] / 1e12 / peak_tflops
-    b["check_first_batch"] = check_first_batch(store, version, units[0], first, dtype_name)
+    b["check_first_batch"] = check_first_batch(
+        store, version, units[0], first, dtype_name, cfg.extract.store_precision
+    )
     if args.read_tokens:
         b["read"] = measure_read(store, version, args.read_tokens)
     res["b"] = b
-    log(f"{shape}: (b) {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, {json.dumps(b)}")
+    log(f"{shape}: (b) [{cfg.extract.store_precision}] {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, {json.dumps(b)}")
 
     # (b) variants: other writer settings; the model is loaded once for all of them (load is excluded anyway)
     variants = [v for v in args.b_variants.split(";") if v] if shape in args.variant_shapes.split(",") else []
@@ -320,9 +344,24 @@ def main():
     p.add_argument("--read-tokens", type=int, default=0, help="after each (b): reader tokens/s over this many tokens")
     p.add_argument("--conv-kernel", default="auto", help="extract.conv_kernel: auto, fla or transformers")
     p.add_argument("--gdn-forward", default="auto", help="extract.gdn_forward: auto, fused or transformers")
+    p.add_argument(
+        "--store-precision",
+        default="full",
+        choices=(*quant.PRECISIONS, "recommend"),
+        help="extract.store_precision of (b); recommend: the disk check's pick (needs --disk-check-mib)",
+    )
+    p.add_argument(
+        "--disk-check-mib",
+        type=int,
+        default=0,
+        help="before anything else, write this many MiB to the work disk (storage/diskcheck.py) and, after (a), "
+        "say which precision keeps (b) GPU-bound on it",
+    )
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
+    if args.store_precision == "recommend" and not args.disk_check_mib:
+        p.error("--store-precision recommend needs --disk-check-mib (e.g. 4096)")
 
     import transformers
 
@@ -401,6 +440,12 @@ def summary(results):
             f"(bound {b['host_buffer_gib']:.2f}) | writer wait {b['writer_wait_s']:.2f} s, drain "
             f"{b['drain_s']:.2f} s, copy wait {b['copy_wait_s']:.2f} s | check {b['check_first_batch']}"
         )
+        if "disk_advice" in r:
+            d = r["disk_advice"]
+            print(
+                f"[{shape}] disk {r['disk_test']['bytes_per_s'] / 1e6:,.0f} MB/s ({r['disk_test']['method']}): "
+                f"recommended {d['recommended']} ({d['reason']}); (b) ran {r['store_precision']}"
+            )
         for v in r.get("b_variants", []):
             print(
                 f"[{shape}] b[{v['variant']}] {v['tokens_per_s']:.0f} tok/s, {v['bytes_per_token']:.0f} B/token, "

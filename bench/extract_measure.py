@@ -174,12 +174,13 @@ def measure_read(store, version: str, n_tokens: int, seed: int = 0) -> dict:
     return {"tokens": toks, "seconds": wall, "tokens_per_s": toks / wall, "dtype": str(item["hidden"].dtype)}
 
 
-def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str) -> dict:
-    """The first batch of (b), read back from the store, against (a)'s: same batch, same kernels."""
-    from dflash_pipeline.storage.layout import from_storage
+def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str, precision: str = "full") -> dict:
+    """The first batch of (b), read back from the store, against (a)'s: same batch, same kernels (bit-equal for
+    precision "full"; a compact precision's rel_err is its quantization error)."""
+    from dflash_pipeline.storage.reader import read_rows
 
     g = store.open_unit(version, unit)
-    got = from_storage(g["hidden"][: first.shape[0]], dtype_name)
+    got = read_rows(g, "hidden", slice(0, first.shape[0]), dtype_name, precision)
     ref = first.to(got.dtype)
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     return {
