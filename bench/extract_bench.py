@@ -247,13 +247,14 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     b = measure_pipeline(store, version, units, report, cfg, device, dtype_name, sampler)
     b["mfu"] = total_flops / b["seconds"] / 1e12 / peak_tflops
-    b["check_first_batch"] = check_first_batch(
-        store, version, units[0], first, dtype_name, cfg.extract.store_precision
-    )
+    b["check_first_batch"] = check_first_batch(store, version, units[0], first, dtype_name, cfg.extract.store_precision)
     if args.read_tokens:
         b["read"] = measure_read(store, version, args.read_tokens)
     res["b"] = b
-    log(f"{shape}: (b) [{cfg.extract.store_precision}] {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, {json.dumps(b)}")
+    log(
+        f"{shape}: (b) [{cfg.extract.store_precision}] {b['tokens_per_s']:.0f} tok/s, MFU {b['mfu']:.3f}, "
+        f"{json.dumps(b)}"
+    )
 
     # (b) variants: other writer settings; the model is loaded once for all of them (load is excluded anyway)
     variants = [v for v in args.b_variants.split(";") if v] if shape in args.variant_shapes.split(",") else []
