@@ -213,6 +213,8 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         if args.store_precision == "recommend":
             base["extract.store_precision"] = advice.recommended
             cfg = load_config(None, base)
+            shutil.rmtree(work / "store")  # the precision is part of the target's identity: a new version
+            store, version, units = plan_store(work / "store", report, cfg, sample_ids, lengths, ids, dtype_name)
     res["store_precision"] = cfg.extract.store_precision
     use_gdn_forward(model, b_gdn)  # what (b)'s worker gets when the model is handed over in memory
     if args.profile_a:
