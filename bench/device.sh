@@ -92,9 +92,9 @@ for step in "$@"; do
          | tee "$OUT/${step}_log.txt")
       cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
     # The whole of issue 28 in one detached chain (it outlives a call while the machine is held; `realtext-wait`
-    # in the next calls waits for it, up to RT_WAIT seconds, and copies what it wrote): the target (RT_MINUTES),
-    # the pipeline (RT_SAMPLES conversations regenerated, the drafter trained RT_TRAIN_MINUTES), the agreement
-    # ceiling (bench/realtext/agreement.py).
+    # in the next calls waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz): the
+    # target (RT_MINUTES), the pipeline (RT_SAMPLES conversations regenerated, the drafter trained RT_TRAIN_MINUTES),
+    # the agreement ceiling (bench/realtext/agreement.py).
     realtext-all)
       mkdir -p /tmp/rt; rm -f /tmp/rt/done
       setsid nohup bash -c "set -x; cd $PWD
@@ -118,9 +118,13 @@ for step in "$@"; do
       if [[ -e /tmp/rt/done ]]; then echo "chain done"
       elif kill -0 "$(cat /tmp/rt/pid)" 2>/dev/null; then echo "chain still running"
       else echo "chain ended without finishing: see chain_log.txt and the stage logs"; fi
-      cp -r /tmp/rt/. "$OUT/rt/"; cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json "$OUT/rt/" 2>/dev/null || true
-      d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png "$d"/export/*.png "$OUT/rt/" 2>/dev/null || true
-      tail -5 /tmp/rt/target_log.txt 2>/dev/null; tail -25 /tmp/rt/pipeline_log.txt 2>/dev/null; cat /tmp/rt/agreement_log.txt 2>/dev/null; true ;;
+      # One archive: the device tool brings back at most 8 files a call (session 12 lost the pipeline report so)
+      rm -rf /tmp/rt-out; mkdir -p /tmp/rt-out; cp -r /tmp/rt/. /tmp/rt-out/
+      cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json /tmp/rt-out/ 2>/dev/null || true
+      d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png /tmp/rt-out/ 2>/dev/null || true
+      tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
+      # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
+      for f in target_log:5 pipeline_log:25 agreement_log:5; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
