@@ -91,21 +91,13 @@ for step in "$@"; do
          --eval-reserve-s "${RT_EVAL_RESERVE:-150}" $stages ${RT_ARGS:-} --report "$OUT/pipeline_report.json" 2>&1 \
          | tee "$OUT/${step}_log.txt")
       cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
-    # The whole of issue 28 in one detached chain (it outlives a call while the machine is held; `realtext-wait`
-    # in the next calls waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz): the
-    # target (RT_MINUTES), the pipeline (RT_SAMPLES conversations regenerated, the drafter trained RT_TRAIN_MINUTES),
-    # the agreement ceiling (bench/realtext/agreement.py).
+    # Issues 28 and 29 in one detached chain (bench/realtext/chain.sh: the target, the pipeline, the precision table
+    # beside its training; RT_* settings there). It outlives a call while the machine is held; `realtext-wait` in the
+    # next calls waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz.
     realtext-all)
       mkdir -p /tmp/rt; rm -f /tmp/rt/done
-      setsid nohup bash -c "set -x; cd $PWD
-        python3 realtext/train_target.py --out ../runs/realtext --minutes ${RT_MINUTES:-4.5} > /tmp/rt/target_log.txt 2>&1
-        cd .. && python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 \
-          --train-minutes ${RT_TRAIN_MINUTES:-10.3} --set data.max_samples=${RT_SAMPLES:-2048} \
-          --report /tmp/rt/pipeline_report.json > /tmp/rt/pipeline_log.txt 2>&1
-        python3 bench/realtext/agreement.py --target runs/realtext/target --store runs/realtext/pipeline/store \
-          --heldout runs/realtext/chat/heldout_prompts.jsonl --out /tmp/rt/agreement.json > /tmp/rt/agreement_log.txt 2>&1
-        touch /tmp/rt/done" > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
-      echo $! > /tmp/rt/pid; echo "started, pid $!" ;;
+      (cd .. && setsid nohup bash bench/realtext/chain.sh > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
+       echo $! > /tmp/rt/pid); echo "started, pid $(cat /tmp/rt/pid)" ;;
     realtext-wait)
       # A fresh machine (the one that ran realtext-all was given back between calls) has no chain: say so at once
       if [[ ! -e /tmp/rt/pid ]]; then
@@ -124,7 +116,7 @@ for step in "$@"; do
       d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png /tmp/rt-out/ 2>/dev/null || true
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
-      for f in target_log:5 pipeline_log:25 agreement_log:5; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
+      for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -35,6 +35,88 @@ def store_bytes(version_dir: Path) -> dict[str, int]:
     return out
 
 
+def run_row(config: str, overrides: dict, precision: str, seed: int) -> dict:
+    """One pipeline run (the stages `overrides` name, in this process, no Prefect) and its row of the table."""
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.storage.store import Store
+
+    store = Path(overrides["store_path"])
+    t0 = time.monotonic()
+    runner = LocalRunner()
+    summary = run_pipeline(load_config(config, overrides), runner)
+    version = summary.current or summary.version or Store(store).current()
+    sizes = store_bytes(store / version)
+    st = Store(store)
+    tokens = sum(st.unit_info(version, u).n_tokens for u in st.units(version))
+    attrs = st.attrs(version)
+    k, h = len(attrs["layer_ids"]), attrs["hidden_size"]
+    states = sum(v for a, v in sizes.items() if a.startswith(("hidden", "last_hidden")))
+    est = runner.results.get("estimate")
+    return {
+        "precision": precision,
+        "seed": seed,
+        "acceptance_length": summary.acceptance_length,
+        "untrained_acceptance_length": summary.untrained_acceptance_length,
+        "final_loss": summary.final_loss,
+        "tokens": tokens,
+        "raw_bf16_bytes_per_token": 2 * k * h,
+        "states_bytes_per_token": states / tokens,
+        "states_of_raw_bf16": states / tokens / (2 * k * h),
+        "store_bytes_per_token": sizes["total"] / tokens,
+        "store_bytes": sizes["total"],
+        "planned_store_bytes": est.store_bytes if est else None,
+        "bytes_by_array": sizes,
+        "validation": summary.validation,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def summarize(rows: list[dict], precisions: list[str]) -> list[dict]:
+    """Per precision (in `precisions` order, those with rows): acceptance over the seeds and the store's bytes."""
+    table = []
+    for precision in precisions:
+        rs = [r for r in rows if r["precision"] == precision]
+        if not rs:
+            continue
+        acc = [r["acceptance_length"] for r in rs]
+        first = rs[0]
+        table.append(
+            {
+                "precision": precision,
+                "acceptance_mean": statistics.mean(acc),
+                "acceptance_stdev": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                "acceptance_by_seed": acc,
+                "seeds": [r["seed"] for r in rs],
+                "states_bytes_per_token": first["states_bytes_per_token"],
+                "states_of_raw_bf16": first["states_of_raw_bf16"],
+                "store_bytes_per_token": first["store_bytes_per_token"],
+                "planned_store_bytes": first["planned_store_bytes"],
+                "store_bytes": first["store_bytes"],
+            }
+        )
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    base = next((t for t in table if t["precision"] == "full"), None)
+    print(
+        "\n| precision | states bytes/token (of raw bf16) | store bytes/token | acceptance length (seeds) | vs bf16 |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for t in table:
+        rel = f"{t['acceptance_mean'] / base['acceptance_mean'] - 1:+.1%}" if base else "-"
+        print(
+            f"| {t['precision']} | {t['states_bytes_per_token']:.1f} ({t['states_of_raw_bf16']:.3f}) | "
+            f"{t['store_bytes_per_token']:.1f} | {t['acceptance_mean']:.3f} +- {t['acceptance_stdev']:.3f} "
+            f"({', '.join(f'{a:.3f}' for a in t['acceptance_by_seed'])}) | {rel} |"
+        )
+
+
+def machine() -> str:
+    return f"{platform.node()} ({platform.processor() or platform.machine()}), torch {torch.__version__}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/precision_quality")
@@ -46,13 +128,10 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from dflash_pipeline.config import load_config
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
-    from dflash_pipeline.storage.store import Store
-
     out = Path(args.out).absolute()
+    precisions = args.precisions.split(",")
     rows = []
-    for precision in args.precisions.split(","):
+    for precision in precisions:
         store = out / f"store-{precision}"
         for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
             overrides = {
@@ -67,70 +146,14 @@ def main() -> int:
             }
             if i or (store / "CURRENT").exists():  # the store is extracted and validated once per precision
                 overrides["stages"] = ["train", "evaluate"]
-            t0 = time.monotonic()
-            runner = LocalRunner()
-            summary = run_pipeline(load_config(args.config, overrides), runner)
-            version = summary.current or summary.version or Store(store).current()
-            sizes = store_bytes(store / version)
-            st = Store(store)
-            tokens = sum(st.unit_info(version, u).n_tokens for u in st.units(version))
-            attrs = st.attrs(version)
-            k, h = len(attrs["layer_ids"]), attrs["hidden_size"]
-            states = sum(v for a, v in sizes.items() if a.startswith(("hidden", "last_hidden")))
-            est = runner.results.get("estimate")
-            row = {
-                "precision": precision,
-                "seed": seed,
-                "acceptance_length": summary.acceptance_length,
-                "untrained_acceptance_length": summary.untrained_acceptance_length,
-                "final_loss": summary.final_loss,
-                "tokens": tokens,
-                "raw_bf16_bytes_per_token": 2 * k * h,
-                "states_bytes_per_token": states / tokens,
-                "states_of_raw_bf16": states / tokens / (2 * k * h),
-                "store_bytes_per_token": sizes["total"] / tokens,
-                "store_bytes": sizes["total"],
-                "planned_store_bytes": est.store_bytes if est else None,
-                "bytes_by_array": sizes,
-                "validation": summary.validation,
-                "seconds": round(time.monotonic() - t0, 1),
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(run_row(args.config, overrides, precision, seed))
+            print(json.dumps(rows[-1]), flush=True)
 
-    table = []
-    for precision in args.precisions.split(","):
-        rs = [r for r in rows if r["precision"] == precision]
-        acc = [r["acceptance_length"] for r in rs]
-        first = rs[0]
-        table.append(
-            {
-                "precision": precision,
-                "acceptance_mean": statistics.mean(acc),
-                "acceptance_stdev": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-                "acceptance_by_seed": acc,
-                "states_bytes_per_token": first["states_bytes_per_token"],
-                "states_of_raw_bf16": first["states_of_raw_bf16"],
-                "store_bytes_per_token": first["store_bytes_per_token"],
-                "planned_store_bytes": first["planned_store_bytes"],
-                "store_bytes": first["store_bytes"],
-            }
-        )
-    base = next((t for t in table if t["precision"] == "full"), None)
-    print(
-        "\n| precision | states bytes/token (of raw bf16) | store bytes/token | acceptance length (seeds) | vs bf16 |"
-    )
-    print("| --- | --- | --- | --- | --- |")
-    for t in table:
-        rel = f"{t['acceptance_mean'] / base['acceptance_mean'] - 1:+.1%}" if base else "-"
-        print(
-            f"| {t['precision']} | {t['states_bytes_per_token']:.1f} ({t['states_of_raw_bf16']:.3f}) | "
-            f"{t['store_bytes_per_token']:.1f} | {t['acceptance_mean']:.3f} +- {t['acceptance_stdev']:.3f} "
-            f"({', '.join(f'{a:.3f}' for a in t['acceptance_by_seed'])}) | {rel} |"
-        )
+    table = summarize(rows, precisions)
+    print_table(table)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), torch {torch.__version__}",
+        "machine": machine(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "runs": rows,
         "summary": table,
