@@ -96,8 +96,11 @@ for step in "$@"; do
     # next calls waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz.
     realtext-all)
       mkdir -p /tmp/rt; rm -f /tmp/rt/done
-      (cd .. && setsid nohup bash bench/realtext/chain.sh > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
-       echo $! > /tmp/rt/pid); echo "started, pid $(cat /tmp/rt/pid)" ;;
+      # (the `&` on setsid alone: on `cd .. && setsid ...` it backgrounded a subshell, and session 13's pid file named
+      # that subshell, gone once setsid ran, so the next call's realtext-wait took the running chain for dead)
+      (cd .. && { setsid nohup bash bench/realtext/chain.sh > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
+                  echo $! > /tmp/rt/pid; })
+      echo "started, pid $(cat /tmp/rt/pid)" ;;
     realtext-wait)
       # A fresh machine (the one that ran realtext-all was given back between calls) has no chain: say so at once
       if [[ ! -e /tmp/rt/pid ]]; then

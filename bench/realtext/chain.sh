@@ -9,6 +9,7 @@
 #        from the chain's start (precision.py; each process its own DFLASH_LOCK_DIR: they share the GPU on purpose).
 # Logs and reports under /tmp/rt; /tmp/rt/done when everything ended. Run from the repository root.
 set -x
+echo $$ > /tmp/rt/pid  # realtext-wait waits on this process (device.sh writes it too)
 start=$(date +%s)
 # RT_SET: more overrides for every run, e.g. a CPU rehearsal's "--set regenerate.max_new_tokens=24 ..."
 samples="--set data.max_samples=${RT_SAMPLES:-1792} ${RT_SET:-}"
