@@ -125,6 +125,13 @@ class TargetConfig(Section):
         description="Let transformers run Python code shipped with the checkpoint (models it does not know). "
         "Only for checkpoints you trust; applies to every load of the model and its tokenizer.",
     )
+    quantization: Literal["auto", "dequantize"] = Field(
+        "auto",
+        description="A quantized checkpoint (config.json quantization_config; block-wise FP8): 'auto' runs its own "
+        "FP8 forward and refuses where that cannot run (CPU, GPUs before compute capability 8.9); 'dequantize' "
+        "loads its weights dequantized to target.dtype, whose states differ from the FP8 model's (the store "
+        "records which). Ignored for unquantized checkpoints.",
+    )
 
 
 class LayersConfig(Section):

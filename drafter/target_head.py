@@ -19,7 +19,8 @@ from torch import nn
 
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.model import FULL, SLIDING, DraftSpec
-from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.errors import CompatError, ConfigError
+from dflash_pipeline.extraction import quantized
 from dflash_pipeline.extraction.modelfiles import read_model_config
 
 if TYPE_CHECKING:
@@ -67,8 +68,15 @@ def _read_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            for n in set(names) & set(fh.keys()):
+            keys = set(fh.keys())
+            for n in set(names) & keys:
                 out[n] = fh.get_tensor(n)
+                if out[n].dtype.itemsize == 1:  # an FP8 checkpoint that quantized its embedding or lm_head too
+                    scale = n.removesuffix("weight") + "weight_scale_inv"
+                    if scale not in keys:
+                        raise CompatError(f"{f}: {n} is stored as {out[n].dtype} without {scale}: cannot read it")
+                    q = read_model_config(model_path).get("quantization_config") or {}
+                    out[n] = quantized.dequantize_fp8(out[n], fh.get_tensor(scale), q.get("weight_block_size"))
     return out
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipeline.errors import CompatError
+from dflash_pipeline.extraction import quantized
 from dflash_pipeline.extraction.kernels import use_conv_kernel, use_gdn_forward
 from dflash_pipeline.extraction.placement import device_map_summary, replica_devices, split_device_map
 
@@ -27,16 +28,19 @@ def load_target(
     trust_remote_code: bool = False,
     working_bytes: float = 0.0,
     max_gpu_memory_gib: float | None = None,
+    quantization: dict | None = None,
 ):
     """An eval-mode causal LM on `device`, gradients off. Missing or corrupt files raise CompatError.
 
     `device` may be a split replica ("cuda:0+cuda:1", target/placement.py): the decoder layers are then
     spread over those GPUs in proportion to their free memory (capped at `max_gpu_memory_gib`), less
-    `working_bytes` kept free on each for activations."""
+    `working_bytes` kept free on each for activations. `quantization`: the probe's record for a quantized
+    checkpoint (extraction/quantized.py), whose forward the loaded model is checked to run."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {dtype_kwarg: getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+    kwargs |= quantized.load_kwargs(quantization)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     devices = replica_devices(device)
@@ -53,6 +57,7 @@ def load_target(
             "Check that the directory holds a complete checkpoint (config.json and all weight "
             "files) and re-download it if a file is truncated"
         ) from e
+    quantized.check_loaded(model, quantization, model_path)
     if len(devices) == 1:
         model.to(device)
     model.eval()
@@ -76,6 +81,7 @@ def load_planned(report: ProbeReport, device: str, dtype: str | None = None):
         trust_remote_code=report.trust_remote_code,
         working_bytes=report.working_gib * 2**30,
         max_gpu_memory_gib=report.max_gpu_memory_gib,
+        quantization=report.quantization,
     )
     gpu = any(d.startswith("cuda") for d in replica_devices(device))  # (a CPU copy never runs fla's kernels)
     fused = use_gdn_forward(model, report.gdn_forward if gpu else "transformers")

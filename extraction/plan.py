@@ -63,6 +63,8 @@ def target_identity(cfg: RunConfig, report: ProbeReport, logical_dtype: str) -> 
         "logical_dtype": logical_dtype,
         "precision": cfg.extract.store_precision,
         "compute_dtype": report.compute_dtype,
+        # a quantized target: its format and how it ran (only then, so unquantized stores keep their identity)
+        **({"target_quantization": report.quantization} if report.quantization else {}),
     }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from dflash_pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError, ConfigError
+from dflash_pipeline.extraction import quantized
 from dflash_pipeline.extraction.kernels import conv_kernel_choice, fla_version, gdn_forward_choice
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
@@ -49,7 +50,7 @@ class ProbeReport(Handoff):
     loads it from this record, so no stage can pick another path, dtype keyword or trust_remote_code."""
 
     KIND = "probe-report"
-    VERSION = 2
+    VERSION = 3
 
     python: str
     torch_version: str
@@ -82,10 +83,19 @@ class ProbeReport(Handoff):
     conv_kernel: str = "transformers"  # extract.conv_kernel resolved (extraction/kernels.py)
     gdn_forward: str = "transformers"  # extract.gdn_forward resolved (extraction/kernels.py)
     max_gpu_memory_gib: float | None = None  # extract.max_gpu_memory_gib: the per-GPU cap the plan used
+    # A quantized checkpoint (extraction/quantized.py): its quantization_config normalized, plus `forward`, how the
+    # run executes it ("fp8": its own FP8 forward; "dequantized": weights dequantized at load). None: unquantized.
+    quantization: dict | None = None
 
     @property
     def hybrid(self) -> bool:
         return "linear_attention" in self.layer_types
+
+    def _quantization_line(self) -> str:
+        q = self.quantization
+        if not q:
+            return "none"
+        return f"{q['method']} (blocks {q['weight_block_size']}, activations {q['activation_scheme']}) / {q['forward']}"
 
     def to_markdown(self) -> str:
         kinds = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in self.kernels.items())
@@ -112,6 +122,7 @@ class ProbeReport(Handoff):
 | weights / working memory per replica | {self.weights_gib:.2f} GiB / {self.working_gib:.2f} GiB |
 | tokens per forward batch | {self.token_budget} |
 | Gated DeltaNet forward / causal convolution | {self.gdn_forward} / {self.conv_kernel} |
+| checkpoint quantization / forward | {self._quantization_line()} |
 
 ## Devices
 | device | kind | total GiB | free GiB |
@@ -302,8 +313,12 @@ def probe(
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if kernels["flash-attn"] else [])
     devices = resolve_devices(extract.devices)
     on_gpus = all(d.startswith("cuda") for d in devices)
+    quant = quantized.resolve(
+        quantized.checkpoint_quantization(mc, model_path), target.quantization, devices, model_path
+    )
     dtype = compute_dtype(target, devices)
     bpe = torch.finfo(getattr(torch, dtype)).bits // 8
+    # FP8 weights stay one byte each in memory (over-counted here as bpe: the plan errs on the safe side)
     w_bytes = weights_bytes(model_path, bpe)
     inter = int(text.get("intermediate_size", 4 * hidden))
     # Peak working set of one forward per token: the MLP's three intermediate activations and a few
@@ -358,6 +373,7 @@ def probe(
         conv_kernel=conv_kernel_choice(extract.conv_kernel, hybrid, kernels["flash-linear-attention"], on_gpus),
         gdn_forward=gdn_forward_choice(extract.gdn_forward, hybrid, mc.get("model_type", "?"), fla_version(), on_gpus),
         max_gpu_memory_gib=extract.max_gpu_memory_gib,
+        quantization=quant,
     )
 
 

@@ -47,11 +47,12 @@ IDENTITY_KEYS = (
     "precision",
     "hidden_size",
     "format_version",
+    "target_quantization",
 )
 # The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 # Identity attributes that versions written before they existed lack, and the value those versions have.
-IDENTITY_DEFAULTS = {"precision": "full"}
+IDENTITY_DEFAULTS = {"precision": "full", "target_quantization": None}  # None: an unquantized target
 
 
 def _identity(attrs: dict[str, Any], key: str) -> Any:

@@ -1,0 +1,157 @@
+"""FP8 targets (extraction/quantized.py): a block-wise FP8 checkpoint in the published format, made here from the
+embedded target, is refused on CPU by default (transformers itself would silently dequantize it), extracted from
+its dequantized weights with target.quantization=dequantize (states equal to a fresh forward: validation passes),
+and the store records the quantization. The FP8 forward itself needs a GPU of compute capability >= 8.9: not run
+here (bench/fp8_bench.py measures it on an H200)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.config import ExtractConfig, LayersConfig, TargetConfig
+from dflash_pipeline.errors import CompatError
+from dflash_pipeline.extraction import quantized
+from dflash_pipeline.extraction.loader import load_planned
+from dflash_pipeline.extraction.probe import probe
+from dflash_pipeline.storage.store import Store
+from tests.helpers import extract_local
+
+BLOCK = (32, 32)  # the embedded target's widths (64, 192) take 32-wide blocks; published checkpoints use 128
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(model_dir, tmp_path_factory):
+    return str(quantized.quantize_fp8_checkpoint(model_dir, tmp_path_factory.mktemp("fp8") / "target", BLOCK))
+
+
+def test_checkpoint_is_in_the_published_format(model_dir, fp8_dir):
+    """e4m3 weights with a float32 weight_scale_inv per block (block absmax / 448), the quantization_config
+    transformers reads, and the weights no block divides (GDN's 4-row in_proj_a/b) kept and listed."""
+    src, got = load_file(f"{model_dir}/model.safetensors"), load_file(f"{fp8_dir}/model.safetensors")
+    name = "model.layers.3.mlp.down_proj.weight"  # [64, 192]
+    assert got[name].dtype == torch.float8_e4m3fn and got[name].shape == (64, 192)
+    scale = got["model.layers.3.mlp.down_proj.weight_scale_inv"]
+    assert scale.dtype == torch.float32 and scale.shape == (2, 6)
+    w, deq = src[name].float(), quantized.dequantize_fp8(got[name], scale, list(BLOCK))
+    # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormals below 2^-6 of the block's scale step
+    bound = w.abs() * 2**-4 + scale.repeat_interleave(32, 0).repeat_interleave(32, 1) * 2**-9
+    assert (deq - w).abs().le(bound).all() and not torch.equal(deq, w)
+    kept = "model.layers.0.linear_attn.in_proj_a.weight"  # [4, 64]: no 32-row block
+    assert torch.equal(got[kept], src[kept])
+    q = json.loads(open(f"{fp8_dir}/config.json").read())["quantization_config"]
+    assert q["quant_method"] == "fp8" and q["weight_block_size"] == list(BLOCK)
+    assert {"model.layers.0.linear_attn.in_proj_a", "lm_head"} <= set(q["modules_to_not_convert"])
+
+
+def test_probe_refuses_the_fp8_forward_on_cpu(fp8_dir):
+    """transformers would load it dequantized with one log line; the probe says why the FP8 forward cannot run
+    and what to set instead."""
+    with pytest.raises(CompatError) as e:
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    msg = str(e.value)
+    assert "is an FP8 checkpoint" in msg and f"weight_block_size {list(BLOCK)}" in msg
+    assert "CUDA GPUs" in msg and "target.quantization=dequantize" in msg
+
+
+def test_dequantized_load_is_the_reference_dequantization(fp8_dir, model_dir):
+    """With target.quantization=dequantize the probe records the quantization and how it runs, and every loaded
+    linear weight is exactly weight x scale per block (the unquantized ones exactly the checkpoint's)."""
+    r = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    assert r.quantization == {
+        "method": "fp8",
+        "weight_block_size": list(BLOCK),
+        "activation_scheme": "dynamic",
+        "scale_fmt": "float",
+        "modules_to_not_convert": r.quantization["modules_to_not_convert"],
+        "forward": "dequantized",
+    }
+    assert "fp8 (blocks [32, 32], activations dynamic) / dequantized" in r.to_markdown()
+    model = load_planned(r, "cpu")
+    state = load_file(f"{fp8_dir}/model.safetensors")
+    params = dict(model.named_parameters())
+    checked = 0
+    for name, t in state.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            ref = quantized.dequantize_fp8(t, state[name.removesuffix("weight") + "weight_scale_inv"], list(BLOCK))
+            checked += 1
+        else:
+            ref = t.float()
+        assert torch.equal(params[name].detach(), ref), name
+    assert checked == 8 * 3 + 6 * 3 + 2 * 4  # 8 MLPs; 6 GDN layers' in_proj_qkv, in_proj_z, out_proj; 2 q/k/v/o
+
+
+def test_unquantized_checkpoint_is_unchanged(model_dir):
+    r = probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), model_dir, model_dir)
+    assert r.quantization is None and "| checkpoint quantization / forward | none |" in r.to_markdown()
+
+
+def test_unsupported_quantization_is_refused(fp8_dir, tmp_path):
+    cfg = json.loads(open(f"{fp8_dir}/config.json").read())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(CompatError, match=r"config.json: quantization_config.quant_method='awq' is not supported"):
+        quantized.checkpoint_quantization(cfg, str(tmp_path))
+
+
+def test_store_records_the_quantization_and_validates(fp8_dir, tmp_path):
+    """Extraction from the dequantized weights: validation recomputes with the same load (PASS: the stored states
+    equal a fresh forward), and the version's attributes say which checkpoint format ran and how."""
+    done = extract_local(
+        tmp_path / "run",
+        {"target.model_path": fp8_dir, "target.quantization": "dequantize", "data.max_samples": 8},
+        validate=True,
+    )
+    assert done.validation.ok
+    st = Store(done.cfg.store)
+    q = st.attrs(st.current())["target_quantization"]
+    assert q["method"] == "fp8" and q["forward"] == "dequantized" and q["weight_block_size"] == list(BLOCK)
+
+
+def test_target_head_reads_an_fp8_lm_head_dequantized(fp8_dir, tmp_path):
+    """The drafter reuses the target's lm_head: in a checkpoint that quantized it too, training reads it
+    dequantized (weight x scale per block), never the raw e4m3 bytes as numbers."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dflash_pipeline.drafter.target_head import load_target_head
+
+    d = tmp_path / "fp8-head"
+    shutil.copytree(fp8_dir, d)
+    state = load_file(f"{d}/model.safetensors")
+    w = state["lm_head.weight"]
+    state["lm_head.weight"], state["lm_head.weight_scale_inv"] = quantized.quantize_fp8_weight(w, BLOCK)
+    save_file(state, f"{d}/model.safetensors", metadata={"format": "pt"})
+    r = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), str(d), str(d))
+    head = load_target_head(r, need_norm=False)
+    ref = quantized.dequantize_fp8(state["lm_head.weight"], state["lm_head.weight_scale_inv"], list(BLOCK))
+    assert torch.equal(head.lm_head.weight, ref) and (ref - w.float()).abs().max() < 0.1 * w.abs().max()
+
+
+def test_another_forward_of_the_same_checkpoint_is_another_version(fp8_dir, tmp_path):
+    """The FP8 forward and the dequantized one store different states: a version holds one of them only."""
+    from dflash_pipeline.storage.store import same_identity
+
+    done = extract_local(
+        tmp_path / "run", {"target.model_path": fp8_dir, "target.quantization": "dequantize", "data.max_samples": 4}
+    )
+    st = Store(done.cfg.store)
+    attrs = st.attrs(st.versions()[-1])
+    assert same_identity(attrs, dict(attrs))
+    fp8 = {**attrs, "target_quantization": {**attrs["target_quantization"], "forward": "fp8"}}
+    unquantized = {k: v for k, v in attrs.items() if k != "target_quantization"}
+    assert not same_identity(attrs, fp8) and not same_identity(attrs, unquantized)
+
+
+def test_fp8_checkpoint_without_accelerate_names_the_install(fp8_dir, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(CompatError, match=r"with accelerate installed: pip install 'dflash-pipeline\[fp8\]'"):
+        probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
