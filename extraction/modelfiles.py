@@ -62,8 +62,12 @@ def weight_files(model_path: str) -> list[Path]:
     return files
 
 
-def weights_bytes(model_path: str, bytes_per_param: int) -> int:
-    """Size of the weights once loaded in a dtype of `bytes_per_param` bytes."""
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
+
+
+def weights_bytes(model_path: str, bytes_per_param: int, fp8_stays: bool = False) -> int:
+    """Size of the weights once loaded in a dtype of `bytes_per_param` bytes (with `fp8_stays`, an FP8 checkpoint
+    run by its FP8 forward: its FP8 tensors keep one byte a value)."""
     total = 0
     for f in weight_files(model_path):
         if f.suffix != ".safetensors":
@@ -74,7 +78,7 @@ def weights_bytes(model_path: str, bytes_per_param: int) -> int:
             n = 1
             for s in meta["shape"]:
                 n *= s
-            total += n * bytes_per_param
+            total += n * (1 if fp8_stays and meta["dtype"] in FP8_DTYPES else bytes_per_param)
     return total
 
 

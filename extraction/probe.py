@@ -318,8 +318,7 @@ def probe(
     )
     dtype = compute_dtype(target, devices)
     bpe = torch.finfo(getattr(torch, dtype)).bits // 8
-    # FP8 weights stay one byte each in memory (over-counted here as bpe: the plan errs on the safe side)
-    w_bytes = weights_bytes(model_path, bpe)
+    w_bytes = weights_bytes(model_path, bpe, fp8_stays=bool(quant) and quant["forward"] == "fp8")
     inter = int(text.get("intermediate_size", 4 * hidden))
     # Peak working set of one forward per token: the MLP's three intermediate activations and a few
     # hidden-size buffers, plus the captured layers; 1.3x for allocator slack.

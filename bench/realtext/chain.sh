@@ -2,7 +2,7 @@
 # Issues 28 and 29 in one detached chain on one GPU (bench/device.sh realtext-all starts it, realtext-wait waits):
 #   1. the real-text target (train_target.py, RT_MINUTES), its chat data;
 #   2. the pipeline up to a validated store (regenerate RT_SAMPLES conversations, prepare, probe, extract, validate);
-#   3. side by side on the same GPU:
+#   3. side by side on the same GPU (RT_MAIN=0: the precision runs alone):
 #      - the drafter trained RT_TRAIN_MINUTES and evaluated, then the agreement ceiling (agreement.py);
 #      - with RT_PRECISION=1: a store per compact precision and its error, then one process per seed training a
 #        drafter per precision (RT_PREC_STEPS steps, RT_PREC_PROMPTS prompts), none started after RT_PREC_UNTIL_S
@@ -17,7 +17,8 @@ samples="--set data.max_samples=${RT_SAMPLES:-1792} ${RT_SET:-}"
   > /tmp/rt/target_log.txt 2>&1
 python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
   --stages regenerate,prepare,probe,extract,validate --report /tmp/rt/store_report.json > /tmp/rt/store_log.txt 2>&1
-(
+# RT_MAIN=0: the precision table alone (no 10-minute drafter, no agreement): the precision runs get the GPU
+[[ ${RT_MAIN:-1} == 1 ]] && (
   python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
     --set regenerate.enabled=false --stages train,evaluate --train-minutes "${RT_TRAIN_MINUTES:-10.05}" \
     --report /tmp/rt/pipeline_report.json > /tmp/rt/pipeline_log.txt 2>&1

@@ -155,3 +155,14 @@ def test_fp8_checkpoint_without_accelerate_names_the_install(fp8_dir, monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
     with pytest.raises(CompatError, match=r"with accelerate installed: pip install 'dflash-pipeline\[fp8\]'"):
         probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+
+
+def test_memory_plan_counts_fp8_weights_at_one_byte_only_when_they_stay_fp8(fp8_dir, model_dir):
+    from dflash_pipeline.extraction.modelfiles import weights_bytes
+
+    state = load_file(f"{fp8_dir}/model.safetensors")
+    fp8_values = sum(t.numel() for t in state.values() if t.dtype == torch.float8_e4m3fn)
+    assert fp8_values > 0
+    assert weights_bytes(fp8_dir, 2) == 2 * sum(t.numel() for t in state.values())
+    assert weights_bytes(fp8_dir, 2, fp8_stays=True) == weights_bytes(fp8_dir, 2) - fp8_values
+    assert weights_bytes(model_dir, 2, fp8_stays=True) == weights_bytes(model_dir, 2)  # nothing FP8 there
