@@ -63,20 +63,30 @@ def _final_norm(model) -> nn.Module:
 
 
 def _read_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors, in float: an FP8 checkpoint's quantized ones (if it quantized its embedding or lm_head
+    too) dequantized with their block scales, wherever in the shards those sit."""
     from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            keys = set(fh.keys())
-            for n in set(names) & keys:
-                out[n] = fh.get_tensor(n)
-                if out[n].dtype.itemsize == 1:  # an FP8 checkpoint that quantized its embedding or lm_head too
-                    scale = n.removesuffix("weight") + "weight_scale_inv"
-                    if scale not in keys:
-                        raise CompatError(f"{f}: {n} is stored as {out[n].dtype} without {scale}: cannot read it")
-                    q = read_model_config(model_path).get("quantization_config") or {}
-                    out[n] = quantized.dequantize_fp8(out[n], fh.get_tensor(scale), q.get("weight_block_size"))
+    files = sorted(Path(model_path).glob("*.safetensors"))
+
+    def read(wanted: set[str]) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for n in wanted & set(fh.keys()):
+                    got[n] = fh.get_tensor(n)
+        return got
+
+    out = read(set(names))
+    fp8 = [n for n, t in out.items() if t.dtype in quantized.FP8_TORCH_DTYPES]
+    if fp8:
+        quant = quantized.checkpoint_quantization(read_model_config(model_path), model_path)
+        scales = read({n.removesuffix("weight") + "weight_scale_inv" for n in fp8})
+        for n in fp8:
+            scale = n.removesuffix("weight") + "weight_scale_inv"
+            if quant is None or scale not in scales:
+                raise CompatError(f"{model_path}: {n} is stored as {out[n].dtype} without {scale}: cannot read it")
+            out[n] = quantized.dequantize_fp8(out[n], scales[scale], quant["weight_block_size"])
     return out
 
 

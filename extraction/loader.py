@@ -57,7 +57,7 @@ def load_target(
             "Check that the directory holds a complete checkpoint (config.json and all weight "
             "files) and re-download it if a file is truncated"
         ) from e
-    quantized.check_loaded(model, quantization, model_path)
+    quantized.finish_loaded(model, quantization, getattr(torch, dtype), model_path)
     if len(devices) == 1:
         model.to(device)
     model.eval()

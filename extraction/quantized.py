@@ -32,55 +32,70 @@ E4M3_MAX = 448.0
 
 
 def checkpoint_quantization(model_config: dict, model_path: str) -> dict[str, Any] | None:
-    """The checkpoint's quantization (None: not quantized), normalized: method, weight_block_size,
-    activation_scheme, scale_fmt, modules_to_not_convert. A method this pipeline cannot run is an error."""
-    q = model_config.get("quantization_config")
+    """The checkpoint's quantization (None: not quantized), normalized: the config field it sits in, method,
+    weight_block_size, activation_scheme, scale_fmt, modules_to_not_convert. A format this pipeline cannot run is an
+    error naming the field."""
+    q, field = model_config.get("quantization_config"), "quantization_config"
     if q is None and isinstance(model_config.get("text_config"), dict):
-        q = model_config["text_config"].get("quantization_config")
+        q, field = model_config["text_config"].get("quantization_config"), "text_config.quantization_config"
     if q is None:
         return None
     method = q.get("quant_method")
     if method not in SUPPORTED_METHODS:
         raise CompatError(
-            f"{model_path}/config.json: quantization_config.quant_method={method!r} is not supported (supported: "
+            f"{model_path}/config.json: {field}.quant_method={method!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_METHODS)}, block-wise as transformers' fine-grained FP8 reads it); extract from "
             "the unquantized checkpoint instead"
         )
-    block = q.get("weight_block_size")
+    block, scale_fmt = q.get("weight_block_size"), q.get("scale_fmt", "float")
+    if scale_fmt != "float":
+        raise CompatError(
+            f"{model_path}/config.json: {field}.scale_fmt={scale_fmt!r} is not supported (supported: 'float', "
+            "float32 weight_scale_inv per block as Qwen publishes them)"
+        )
     return {
+        "field": field,
         "method": method,
         "weight_block_size": list(block) if block is not None else None,
         "activation_scheme": q.get("activation_scheme", "dynamic"),
-        "scale_fmt": q.get("scale_fmt", "float"),
+        "scale_fmt": scale_fmt,
         "modules_to_not_convert": list(q.get("modules_to_not_convert") or q.get("ignored_layers") or []),
     }
 
 
-def fp8_forward_problem(devices: list[str]) -> str | None:
-    """Why the checkpoint's FP8 forward cannot run on `devices` with the installed libraries (None: it can)."""
+def fp8_forward_problem(devices: list[str]) -> tuple[str, str] | None:
+    """Why the checkpoint's FP8 forward cannot run on `devices` with the installed libraries, and the fix (None:
+    it can)."""
+    other = "or set target.quantization=dequantize"
     if not all(d.startswith("cuda") for d in devices):
-        return f"it needs CUDA GPUs and the run is on {', '.join(devices)}"
+        return f"it needs CUDA GPUs and the run is on {', '.join(devices)}", f"run on GPUs (extract.devices) {other}"
     if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
+        return "torch sees no CUDA GPU", f"run where torch sees the GPUs {other}"
     for d in devices:
         cap = torch.cuda.get_device_capability(torch.device(d))
         if cap < FP8_MIN_CAPABILITY:
             return (
                 f"{d} ({torch.cuda.get_device_name(torch.device(d))}) has compute capability {cap[0]}.{cap[1]}; FP8 "
-                f"tensor cores need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (L4/L40, H100, H200)"
+                f"tensor cores need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer",
+                f"run on L4/L40, H100, H200 or newer GPUs {other}",
             )
     try:
         from transformers.integrations import finegrained_fp8
     except ImportError as e:
-        return f"this transformers has no fine-grained FP8 support ({e})"
+        return f"this transformers has no fine-grained FP8 support ({e})", f"upgrade transformers {other}"
     load = getattr(finegrained_fp8, "load_finegrained_fp8_kernel", None)
-    if load is not None:  # newer transformers take the FP8 matmul from the `kernels` hub package
+    if load is not None:  # transformers >= 5.17 takes the FP8 matmul from the `kernels` package's hub kernel
         try:
             load()
         except Exception as e:  # noqa: BLE001 - any failure to get the kernel means: cannot run here
-            return f"transformers' FP8 matmul kernel could not be loaded ({type(e).__name__}: {e})"
+            return (
+                f"transformers' FP8 matmul kernel (kernels-community/finegrained-fp8, fetched from the Hugging Face "
+                f"Hub by the `kernels` package) could not be loaded: {type(e).__name__}: {e}",
+                "install the `kernels` version this transformers names (its message above says which) and, on a "
+                f"machine without internet, fetch the kernel into the Hugging Face cache beforehand, {other}",
+            )
     elif importlib.util.find_spec("triton") is None:
-        return "transformers' FP8 matmul is a Triton kernel and triton is not installed"
+        return "transformers' FP8 matmul is a Triton kernel and triton is not installed", f"pip install triton {other}"
     return None
 
 
@@ -98,12 +113,11 @@ def resolve(quant: dict | None, setting: str, devices: list[str], model_path: st
         return {**quant, "forward": "dequantized"}
     problem = fp8_forward_problem(devices)
     if problem:
-        block = quant["weight_block_size"]
         raise CompatError(
-            f"{model_path} is an FP8 checkpoint (config.json quantization_config: quant_method fp8, weight_block_size "
-            f"{block}) and its FP8 forward cannot run here: {problem}. Run on GPUs that can (compute capability >= "
-            "8.9), or set target.quantization=dequantize to extract from its weights dequantized to the compute dtype "
-            "(the states then differ from the FP8 model's; the store records it)"
+            f"{model_path} is an FP8 checkpoint (config.json {quant['field']}: quant_method fp8, weight_block_size "
+            f"{quant['weight_block_size']}) and its FP8 forward cannot run here: {problem[0]}. Fix: {problem[1]} "
+            "(extracts from its weights dequantized to the compute dtype: states of another forward than the FP8 "
+            "model's; the store records it)"
         )
     return {**quant, "forward": "fp8"}
 
@@ -125,18 +139,31 @@ def load_kwargs(quant: dict | None) -> dict:
     }
 
 
-def check_loaded(model, quant: dict | None, model_path: str) -> None:
-    """The loaded model runs the forward the probe chose: FP8 linears for "fp8", none left for "dequantized"."""
+FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def finish_loaded(model, quant: dict | None, dtype: torch.dtype, model_path: str) -> None:
+    """Check that the loaded model runs the forward the probe chose (FP8 weights for "fp8", none left for
+    "dequantized"), then give every other floating tensor the compute dtype: transformers 5.17's FP8 loader keeps
+    the checkpoint's stored dtype for the unquantized tensors of a multimodal checkpoint, and a forward mixing
+    bf16 and float32 fails at its first matmul."""
     if not quant:
         return
-    fp8 = sum(1 for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dtype.itemsize == 1)
-    if quant["forward"] == "fp8" and fp8 == 0:
+    fp8 = [n for n, p in model.named_parameters() if p.dtype in FP8_TORCH_DTYPES]
+    if quant["forward"] == "fp8" and not fp8:
         raise CompatError(
             f"{model_path}: the probe chose the FP8 forward but transformers loaded no FP8 weights (it dequantized "
             "the checkpoint); set target.quantization=dequantize to extract from the dequantized weights knowingly"
         )
     if quant["forward"] == "dequantized" and fp8:
-        raise CompatError(f"{model_path}: target.quantization=dequantize, yet {fp8} modules kept FP8 weights")
+        raise CompatError(
+            f"{model_path}: target.quantization=dequantize, yet transformers kept {len(fp8)} tensors in FP8 (first: "
+            f"{fp8[0]}): this transformers cannot dequantize the checkpoint; extract from its unquantized checkpoint"
+        )
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and t.dtype not in FP8_TORCH_DTYPES and t.dtype != dtype:
+            if not name.endswith(("weight_scale_inv", "activation_scale")):  # the FP8 kernels' float32 scales
+                t.data = t.data.to(dtype)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """FP8 targets (extraction/quantized.py): a block-wise FP8 checkpoint in the published format, made here from the
 embedded target, is refused on CPU by default (transformers itself would silently dequantize it), extracted from
 its dequantized weights with target.quantization=dequantize (states equal to a fresh forward: validation passes),
-and the store records the quantization. The FP8 forward itself needs a GPU of compute capability >= 8.9: not run
-here (bench/fp8_bench.py measures it on an H200)."""
+and the store records the quantization. The FP8 forward itself needs a GPU of compute capability >= 8.9 and
+transformers' FP8 kernel: not run here."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_probe_refuses_the_fp8_forward_on_cpu(fp8_dir):
         probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
     msg = str(e.value)
     assert "is an FP8 checkpoint" in msg and f"weight_block_size {list(BLOCK)}" in msg
-    assert "CUDA GPUs" in msg and "target.quantization=dequantize" in msg
+    assert "CUDA GPUs" in msg and "Fix: run on GPUs (extract.devices) or set target.quantization=dequantize" in msg
 
 
 def test_dequantized_load_is_the_reference_dequantization(fp8_dir, model_dir):
@@ -62,6 +62,7 @@ def test_dequantized_load_is_the_reference_dequantization(fp8_dir, model_dir):
     linear weight is exactly weight x scale per block (the unquantized ones exactly the checkpoint's)."""
     r = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
     assert r.quantization == {
+        "field": "quantization_config",
         "method": "fp8",
         "weight_block_size": list(BLOCK),
         "activation_scheme": "dynamic",
@@ -125,8 +126,11 @@ def test_target_head_reads_an_fp8_lm_head_dequantized(fp8_dir, tmp_path):
     shutil.copytree(fp8_dir, d)
     state = load_file(f"{d}/model.safetensors")
     w = state["lm_head.weight"]
-    state["lm_head.weight"], state["lm_head.weight_scale_inv"] = quantized.quantize_fp8_weight(w, BLOCK)
+    state["lm_head.weight"], scale = quantized.quantize_fp8_weight(w, BLOCK)
     save_file(state, f"{d}/model.safetensors", metadata={"format": "pt"})
+    # its scale in another shard file, as a sharded checkpoint may put it
+    save_file({"lm_head.weight_scale_inv": scale}, f"{d}/model-scales.safetensors", metadata={"format": "pt"})
+    state["lm_head.weight_scale_inv"] = scale
     r = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), str(d), str(d))
     head = load_target_head(r, need_norm=False)
     ref = quantized.dequantize_fp8(state["lm_head.weight"], state["lm_head.weight_scale_inv"], list(BLOCK))
@@ -166,3 +170,27 @@ def test_memory_plan_counts_fp8_weights_at_one_byte_only_when_they_stay_fp8(fp8_
     assert weights_bytes(fp8_dir, 2) == 2 * sum(t.numel() for t in state.values())
     assert weights_bytes(fp8_dir, 2, fp8_stays=True) == weights_bytes(fp8_dir, 2) - fp8_values
     assert weights_bytes(model_dir, 2, fp8_stays=True) == weights_bytes(model_dir, 2)  # nothing FP8 there
+
+
+def test_quantization_in_text_config_and_unsupported_scales(fp8_dir):
+    """A multimodal checkpoint may carry it in text_config; errors name that field. UE8M0 (power-of-two byte)
+    scales are refused rather than read as numbers."""
+    cfg = json.loads(open(f"{fp8_dir}/config.json").read())
+    q = cfg.pop("quantization_config")
+    nested = {"model_type": "qwen3_5", "text_config": {**cfg, "quantization_config": q}}
+    assert quantized.checkpoint_quantization(nested, "m")["field"] == "text_config.quantization_config"
+    nested["text_config"]["quantization_config"] = {**q, "scale_fmt": "ue8m0"}
+    with pytest.raises(CompatError, match=r"text_config.quantization_config.scale_fmt='ue8m0' is not supported"):
+        quantized.checkpoint_quantization(nested, "m")
+
+
+def test_loaded_model_runs_in_one_dtype(fp8_dir):
+    """transformers 5.17 leaves a multimodal FP8 checkpoint's unquantized tensors in their stored dtype: the load
+    gives every floating tensor the compute dtype, so the forward does not fail on mixed dtypes."""
+    r = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    model = load_planned(r, "cpu")
+    model.model.norm.weight.data = model.model.norm.weight.data.bfloat16()  # what 5.17 leaves behind
+    model.model.layers[3].mlp.up_proj.weight.data = model.model.layers[3].mlp.up_proj.weight.data.bfloat16()
+    quantized.finish_loaded(model, r.quantization, torch.float32, fp8_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
