@@ -117,7 +117,7 @@ def write_manifest_checkpoint(model, path: Path) -> None:
     """config.json + a sparse model.safetensors: a valid header for every tensor, data left unwritten."""
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(path)
-    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for name, t in model.state_dict().items():
         n = t.numel() * t.element_size()

@@ -102,6 +102,17 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
         f"{shape}: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params on {device} "
         f"in {time.monotonic() - t:.1f} s"
     )
+    if args.target_fp8:  # issue 31: the same random weights quantized to the published block-wise FP8 format
+        from dflash_pipeline.extraction import fp8_linear
+
+        t = time.monotonic()
+        res["fp8_linears"] = fp8_linear.quantize_model(model, (args.fp8_block, args.fp8_block))
+        if not res["fp8_linears"]:
+            raise SystemExit(f"{shape}: no decoder linear takes {args.fp8_block}-wide blocks (--fp8-block)")
+        log(f"{shape}: {res['fp8_linears']} linears quantized to FP8 in {time.monotonic() - t:.1f} s")
+        if cuda:
+            torch.cuda.empty_cache()
+        save = False  # the in-memory model is what (a) and (b) run (the loader is replaced)
     if save:
         t = time.monotonic()
         model.save_pretrained(ckpt)
@@ -126,6 +137,21 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     }
     cfg = load_config(None, base)
     report = bench_probe(cfg)
+    if args.target_fp8:  # the manifest's config has no quantization_config: say what the model is
+        from dflash_pipeline.extraction import quantized
+
+        report.quantization = {
+            "field": "bench (random weights quantized in memory)",
+            "method": "fp8",
+            "weight_block_size": [args.fp8_block, args.fp8_block],
+            "activation_scheme": "dynamic",
+            "scale_fmt": "float",
+            "modules_to_not_convert": [],
+            "forward": "fp8",
+            "fp8_matmul": quantized.fp8_matmul([device]),
+        }
+        res["fp8_matmul"] = report.quantization["fp8_matmul"]
+        log(f"{shape}: FP8 linears multiply by {res['fp8_matmul']}")
     use_conv_kernel(report.conv_kernel)  # (a) and (b) alike; load_planned does this, but the bench may replace it
     res["conv_kernel"] = report.conv_kernel
     res["layer_ids"], res["kernels"], res["token_budget"] = report.layer_ids, report.kernels, report.token_budget
@@ -360,6 +386,8 @@ def main():
         help="before anything else, write this many MiB to the work disk (storage/diskcheck.py) and, after (a), "
         "say which precision keeps (b) GPU-bound on it",
     )
+    p.add_argument("--target-fp8", action="store_true", help="the target in block-wise FP8 (issue 31), in memory")
+    p.add_argument("--fp8-block", type=int, default=128, help="FP8 weight block (published checkpoints: 128)")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()

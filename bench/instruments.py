@@ -129,7 +129,11 @@ def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[in
     lin, attn = 0, []
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     for i, layer in enumerate(decoder_layers(model)[: stop_after + 1]):
-        lin += sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        lin += sum(
+            m.in_features * m.out_features
+            for m in layer.modules()
+            if isinstance(m, torch.nn.Linear) or type(m).__name__ == "BlockFP8Linear"  # an FP8 target's linears
+        )
         if types[i] == "full_attention":
             attn.append((cfg.num_attention_heads, cfg.head_dim))
     return 2.0 * lin, attn

@@ -127,10 +127,10 @@ class TargetConfig(Section):
     )
     quantization: Literal["auto", "dequantize"] = Field(
         "auto",
-        description="A quantized checkpoint (config.json quantization_config; block-wise FP8): 'auto' runs its own "
-        "FP8 forward and refuses where that cannot run (CPU, GPUs before compute capability 8.9); 'dequantize' "
-        "loads its weights dequantized to target.dtype, whose states differ from the FP8 model's (the store "
-        "records which). Ignored for unquantized checkpoints.",
+        description="A quantized checkpoint (config.json quantization_config; block-wise FP8): 'auto' runs its FP8 "
+        "forward (torch's FP8 GEMM on GPUs of compute capability >= 8.9, emulated with the same states elsewhere); "
+        "'dequantize' loads its weights dequantized to target.dtype, whose states differ from the FP8 model's (the "
+        "store records which). Ignored for unquantized checkpoints.",
     )
 
 

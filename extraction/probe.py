@@ -95,7 +95,8 @@ class ProbeReport(Handoff):
         q = self.quantization
         if not q:
             return "none"
-        return f"{q['method']} (blocks {q['weight_block_size']}, activations {q['activation_scheme']}) / {q['forward']}"
+        how = q["forward"] + (f" ({q['fp8_matmul']})" if q.get("fp8_matmul") else "")
+        return f"{q['method']} (blocks {q['weight_block_size']}, activations {q['activation_scheme']}) / {how}"
 
     def to_markdown(self) -> str:
         kinds = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in self.kernels.items())
@@ -313,9 +314,10 @@ def probe(
     attn = ["eager", "sdpa"] + (["flash_attention_2"] if kernels["flash-attn"] else [])
     devices = resolve_devices(extract.devices)
     on_gpus = all(d.startswith("cuda") for d in devices)
-    quant = quantized.resolve(
+    quant, quant_warnings = quantized.resolve(
         quantized.checkpoint_quantization(mc, model_path), target.quantization, devices, model_path
     )
+    warnings += quant_warnings
     dtype = compute_dtype(target, devices)
     bpe = torch.finfo(getattr(torch, dtype)).bits // 8
     w_bytes = weights_bytes(model_path, bpe, fp8_stays=bool(quant) and quant["forward"] == "fp8")

@@ -3,10 +3,11 @@ serve, e.g. Qwen's block-wise FP8: `quant_method: fp8`, `weight_block_size: [128
 `weight_scale_inv` per block, activations quantized dynamically).
 
 A drafter is best trained on the hidden states of the model it will sit beside, so an FP8 target runs its own FP8
-forward. Where that cannot run, transformers does not refuse: it loads the checkpoint dequantized to bf16 with one
-log line (on CPU, on GPUs before compute capability 8.9), which would store states of another forward than the one
-served. The probe decides instead (`target.quantization`):
-- "auto": the checkpoint's own quantized forward, refused with the reason where it cannot run here;
+forward. transformers alone would not: where its FP8 matmul cannot run (CPU, GPUs before compute capability 8.9,
+and any machine that cannot fetch its hub kernel) it loads the checkpoint dequantized to bf16 with one log line,
+states of another forward than the one served. The probe decides instead (`target.quantization`):
+- "auto": the checkpoint's FP8 forward (extraction/fp8_linear.py): its stored e4m3 weights and block scales, inputs
+  quantized per token and 128 channels; torch's FP8 GEMM where the GPU has one, else emulated (same states, slow);
 - "dequantize": the weights dequantized once at load (weight x scale per block) and run in the compute dtype; the
   store says so, and validation recomputes the same way.
 
@@ -63,68 +64,46 @@ def checkpoint_quantization(model_config: dict, model_path: str) -> dict[str, An
     }
 
 
-def fp8_forward_problem(devices: list[str]) -> tuple[str, str] | None:
-    """Why the checkpoint's FP8 forward cannot run on `devices` with the installed libraries, and the fix (None:
-    it can)."""
-    other = "or set target.quantization=dequantize"
-    if not all(d.startswith("cuda") for d in devices):
-        return f"it needs CUDA GPUs and the run is on {', '.join(devices)}", f"run on GPUs (extract.devices) {other}"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU", f"run where torch sees the GPUs {other}"
-    for d in devices:
-        cap = torch.cuda.get_device_capability(torch.device(d))
-        if cap < FP8_MIN_CAPABILITY:
-            return (
-                f"{d} ({torch.cuda.get_device_name(torch.device(d))}) has compute capability {cap[0]}.{cap[1]}; FP8 "
-                f"tensor cores need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer",
-                f"run on L4/L40, H100, H200 or newer GPUs {other}",
-            )
-    try:
-        from transformers.integrations import finegrained_fp8
-    except ImportError as e:
-        return f"this transformers has no fine-grained FP8 support ({e})", f"upgrade transformers {other}"
-    load = getattr(finegrained_fp8, "load_finegrained_fp8_kernel", None)
-    if load is not None:  # transformers >= 5.17 takes the FP8 matmul from the `kernels` package's hub kernel
-        try:
-            load()
-        except Exception as e:  # noqa: BLE001 - any failure to get the kernel means: cannot run here
-            return (
-                f"transformers' FP8 matmul kernel (kernels-community/finegrained-fp8, fetched from the Hugging Face "
-                f"Hub by the `kernels` package) could not be loaded: {type(e).__name__}: {e}",
-                "install the `kernels` version this transformers names (its message above says which) and, on a "
-                f"machine without internet, fetch the kernel into the Hugging Face cache beforehand, {other}",
-            )
-    elif importlib.util.find_spec("triton") is None:
-        return "transformers' FP8 matmul is a Triton kernel and triton is not installed", f"pip install triton {other}"
-    return None
+def fp8_matmul(devices: list[str]) -> str:
+    """How the FP8 linears will multiply on `devices`: "scaled_mm" (torch's block-scaled FP8 GEMM, checked against
+    the emulation on each GPU) or "emulated" (same quantized values, float32 product: same states, no speed-up)."""
+    from dflash_pipeline.extraction import fp8_linear
+
+    gpus = [torch.device(d) for d in devices if d.startswith("cuda")]
+    if len(gpus) == len(devices) and torch.cuda.is_available() and all(fp8_linear.fast_layout(g) for g in gpus):
+        return "scaled_mm"
+    return "emulated"
 
 
-def resolve(quant: dict | None, setting: str, devices: list[str], model_path: str) -> dict | None:
-    """The quantization record of the run (the checkpoint's, plus `forward`: "fp8" or "dequantized"), or None for
-    an unquantized checkpoint. `setting` is target.quantization."""
+def resolve(quant: dict | None, setting: str, devices: list[str], model_path: str) -> tuple[dict | None, list[str]]:
+    """The quantization record of the run (the checkpoint's, plus `forward`: "fp8" or "dequantized", and for "fp8"
+    `fp8_matmul`) and the probe's warnings; (None, []) for an unquantized checkpoint. `setting`: target.quantization."""
     if quant is None:
-        return None
+        return None, []
     if importlib.util.find_spec("accelerate") is None:  # transformers' FP8 loader needs it, dequantizing too
         raise CompatError(
-            f"{model_path} is an FP8 checkpoint (config.json quantization_config) and transformers loads those only "
+            f"{model_path} is an FP8 checkpoint (config.json {quant['field']}) and transformers loads those only "
             "with accelerate installed: pip install 'dflash-pipeline[fp8]'"
         )
     if setting == "dequantize":
-        return {**quant, "forward": "dequantized"}
-    problem = fp8_forward_problem(devices)
-    if problem:
-        raise CompatError(
-            f"{model_path} is an FP8 checkpoint (config.json {quant['field']}: quant_method fp8, weight_block_size "
-            f"{quant['weight_block_size']}) and its FP8 forward cannot run here: {problem[0]}. Fix: {problem[1]} "
-            "(extracts from its weights dequantized to the compute dtype: states of another forward than the FP8 "
-            "model's; the store records it)"
+        return {**quant, "forward": "dequantized"}, []
+    matmul = fp8_matmul(devices)
+    warnings = []
+    if matmul == "emulated":
+        warnings.append(
+            f"{model_path} is an FP8 checkpoint and {', '.join(devices)} cannot run FP8 GEMMs (they need CUDA GPUs of "
+            f"compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} and 128x128 weight blocks): its "
+            "FP8 forward runs emulated, the same quantized values multiplied in float32 (the states the FP8 model "
+            "computes, without its speed)"
         )
-    return {**quant, "forward": "fp8"}
+    return {**quant, "forward": "fp8", "fp8_matmul": matmul}, warnings
 
 
 def load_kwargs(quant: dict | None) -> dict:
-    """from_pretrained keywords for the resolved quantization: the dequantizing config, or nothing."""
-    if not quant or quant["forward"] != "dequantized":
+    """from_pretrained keywords for a quantized checkpoint: always the dequantizing load (the FP8 forward then
+    puts the stored FP8 weights back, extraction/fp8_linear.py: transformers' own FP8 matmul comes from a hub
+    kernel an offline machine cannot fetch)."""
+    if not quant:
         return {}
     from transformers import FineGrainedFP8Config
 
@@ -143,26 +122,26 @@ FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def finish_loaded(model, quant: dict | None, dtype: torch.dtype, model_path: str) -> None:
-    """Check that the loaded model runs the forward the probe chose (FP8 weights for "fp8", none left for
-    "dequantized"), then give every other floating tensor the compute dtype: transformers 5.17's FP8 loader keeps
-    the checkpoint's stored dtype for the unquantized tensors of a multimodal checkpoint, and a forward mixing
-    bf16 and float32 fails at its first matmul."""
+    """Make the loaded (dequantized) model run the forward the probe chose: for "fp8" the checkpoint's stored FP8
+    weights back in place of its linears (extraction/fp8_linear.py). Then give every other floating tensor the
+    compute dtype: transformers 5.17's FP8 loader keeps the stored dtype of a multimodal checkpoint's unquantized
+    tensors, and a forward mixing bf16 and float32 fails at its first matmul."""
     if not quant:
         return
     fp8 = [n for n, p in model.named_parameters() if p.dtype in FP8_TORCH_DTYPES]
-    if quant["forward"] == "fp8" and not fp8:
+    if fp8:
         raise CompatError(
-            f"{model_path}: the probe chose the FP8 forward but transformers loaded no FP8 weights (it dequantized "
-            "the checkpoint); set target.quantization=dequantize to extract from the dequantized weights knowingly"
+            f"{model_path}: transformers kept {len(fp8)} tensors in FP8 (first: {fp8[0]}) where it was asked to "
+            "dequantize the checkpoint: this transformers cannot load it; extract from its unquantized checkpoint"
         )
-    if quant["forward"] == "dequantized" and fp8:
-        raise CompatError(
-            f"{model_path}: target.quantization=dequantize, yet transformers kept {len(fp8)} tensors in FP8 (first: "
-            f"{fp8[0]}): this transformers cannot dequantize the checkpoint; extract from its unquantized checkpoint"
-        )
+    if quant["forward"] == "fp8":
+        from dflash_pipeline.extraction import fp8_linear
+
+        if fp8_linear.install(model, model_path, quant["weight_block_size"]) == 0:
+            raise CompatError(f"{model_path}: quantization_config says FP8, but no weight has a weight_scale_inv")
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point() and t.dtype not in FP8_TORCH_DTYPES and t.dtype != dtype:
-            if not name.endswith(("weight_scale_inv", "activation_scale")):  # the FP8 kernels' float32 scales
+            if not name.endswith("weight_scale_inv"):  # the FP8 linears' float32 block scales
                 t.data = t.data.to(dtype)
 
 

@@ -1,0 +1,193 @@
+"""The FP8 forward of a block-wise FP8 checkpoint, without transformers' hub kernel (which an offline GPU machine
+cannot fetch): each quantized linear becomes a `BlockFP8Linear` holding the checkpoint's own e4m3 weight and its
+float32 scale per [bn, bk] block, and quantizes its input the way the format's "dynamic" activation scheme does
+(e4m3 per token and 128-channel group of the reduction axis, scale = group absmax / 448).
+
+On a CUDA GPU of compute capability >= 8.9 with 128 x 128 weight blocks the product runs in torch's block-scaled
+FP8 GEMM (`torch.nn.functional.scaled_mm`, scales 1x128 for the activations and 128x128 for the weight), checked
+once per device against the emulation below before it is used. Everywhere else it is emulated: the same quantized
+values and scales, dequantized and multiplied in float32 (the same states up to accumulation order, no speed-up).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from dflash_pipeline.extraction.quantized import E4M3_MAX, FP8_MIN_CAPABILITY, dequantize_fp8
+
+log = logging.getLogger(__name__)
+ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
+_KERNEL_LAYOUT: dict[int, tuple[bool, bool] | None] = {}  # per CUDA device index (fast_layout)
+_DECLINED: set = set()  # (device, rows) the kernel refused once: logged once
+
+
+def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/group)]): scale = group absmax / 448."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=-1) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * group)[:, :k], scale
+
+
+def emulated_matmul(xq, xs, wq, ws, block: list[int], group: int = ACT_GROUP) -> torch.Tensor:
+    """float32 x_deq @ w_deq.T of the quantized operands (the reference of the fast path)."""
+    x = xq.float() * xs.repeat_interleave(group, dim=1)[:, : xq.shape[1]]
+    return x @ dequantize_fp8(wq, ws, block).T
+
+
+# How the scales are laid out for torch's kernel: the activations' [M, K/128] row- or column-major, the weight's
+# [K/128, N/128] as a transposed view or contiguous. The first layout that runs and matches the emulation is kept.
+LAYOUTS = ((True, False), (True, True), (False, False), (False, True))
+
+
+def _scaled_mm(xq, xs, wq, ws, out_dtype: torch.dtype, layout: tuple[bool, bool]) -> torch.Tensor:
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    a_col_major, b_contiguous = layout
+    return scaled_mm(
+        xq,
+        wq.t(),
+        xs.t().contiguous().t() if a_col_major else xs,
+        ScalingType.BlockWise1x128,
+        ws.t().contiguous() if b_contiguous else ws.t(),
+        ScalingType.BlockWise128x128,
+        output_dtype=out_dtype,
+    )
+
+
+def fast_layout(device: torch.device) -> tuple[bool, bool] | None:
+    """The scale layout with which torch's block-scaled FP8 GEMM runs on `device` and matches the emulation, or
+    None (emulate): checked once per device."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _KERNEL_LAYOUT:
+        _KERNEL_LAYOUT[index] = _check_fast_path(torch.device("cuda", index))
+    return _KERNEL_LAYOUT[index]
+
+
+def _check_fast_path(device: torch.device) -> tuple[bool, bool] | None:
+    from dflash_pipeline.extraction.quantized import quantize_fp8_weight
+
+    if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(256, 512, generator=gen).to(device, torch.bfloat16)
+    wq, ws = (t.to(device) for t in quantize_fp8_weight(torch.randn(384, 512, generator=gen) * 0.02, (128, 128)))
+    xq, xs = quantize_activations(x)
+    ref = emulated_matmul(xq, xs, wq, ws, [128, 128])
+    errors = []
+    for layout in LAYOUTS:
+        try:
+            got = _scaled_mm(xq, xs, wq, ws, torch.float32, layout)
+        except Exception as e:  # noqa: BLE001 - any failure: try the next layout, else emulate
+            errors.append(f"{layout}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        err = float((got - ref).norm() / ref.norm())
+        if err <= 1e-3:
+            log.info("FP8 linears on %s: torch's block-scaled FP8 GEMM (scale layout %s)", device, layout)
+            return layout
+        errors.append(f"{layout}: rel L2 {err:.2e} against the emulation")
+    log.warning("torch's block-scaled FP8 GEMM is not usable on %s (%s): FP8 linears run emulated", device, errors)
+    return None
+
+
+class BlockFP8Linear(nn.Module):
+    """y = x W^T (+ b) with W the checkpoint's e4m3 weight x its block scales and x quantized per token and
+    128-channel group, as the FP8 model runs; output in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int], bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.block = list(block)
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, xs = quantize_activations(x2)
+        fits = self.block == [128, 128] and self.in_features % 128 == 0 and self.out_features % 128 == 0
+        layout = fast_layout(x.device) if fits else None
+        y = None
+        if layout is not None:
+            try:
+                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_inv, x.dtype, layout)
+            except RuntimeError as e:  # a shape the kernel declines (e.g. too few tokens): this call emulates
+                if (x.device, xq.shape[0]) not in _DECLINED:
+                    _DECLINED.add((x.device, xq.shape[0]))
+                    log.warning("FP8 GEMM declined %s x %s on %s (%s): emulated", *xq.shape, x.device, e)
+        if y is None:
+            y = emulated_matmul(xq, xs, self.weight, self.weight_scale_inv, self.block).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def install(model: nn.Module, model_path: str, block: list[int]) -> int:
+    """Replace every linear whose weight the checkpoint at `model_path` stores in FP8 by a BlockFP8Linear holding
+    that stored weight and its scale; returns how many. The model was loaded dequantized (its other tensors as
+    they should be); names follow the checkpoint's (transformers' key renames are not applied: a name that matches
+    no module is an error)."""
+    from safetensors import safe_open
+
+    from dflash_pipeline.errors import CompatError
+    from dflash_pipeline.extraction.modelfiles import weight_files
+
+    modules = dict(model.named_modules())
+    n = skipped = 0
+    for f in weight_files(model_path):
+        with safe_open(str(f), "pt") as fh:
+            keys = set(fh.keys())
+            for key in sorted(k for k in keys if k.endswith(".weight_scale_inv")):
+                stored = key.removesuffix(".weight_scale_inv")
+                # a multimodal checkpoint's language model loads as the text model: model.language_model.X = model.X
+                name = next((c for c in (stored, stored.replace(".language_model.", ".", 1)) if c in modules), None)
+                if name is None:
+                    if ".layers." in stored and not any(p in stored for p in ("visual", "vision", "mtp")):
+                        raise CompatError(f"{f}: {key} scales {stored}, which is no module of the loaded model")
+                    skipped += 1  # vision tower, multi-token-prediction head: transformers does not load them
+                    continue
+                linear = modules[name]
+                if not isinstance(linear, nn.Linear):
+                    raise CompatError(f"{f}: {key} scales {stored}, which is not a linear layer of the loaded model")
+                if f"{stored}.weight" not in keys:
+                    raise CompatError(f"{f}: {key} without {stored}.weight in the same file")
+                bias = linear.bias.detach() if linear.bias is not None else None
+                layer = BlockFP8Linear(fh.get_tensor(f"{stored}.weight"), fh.get_tensor(key), block, bias)
+                layer.to(linear.weight.device)  # a split replica's layers already sit on their GPUs
+                parent, _, child = name.rpartition(".")
+                setattr(modules[parent] if parent else model, child, layer)
+                n += 1
+    if skipped:
+        log.info("%s: %d FP8 tensors outside the text model (not loaded by transformers) skipped", model_path, skipped)
+    return n
+
+
+def quantize_model(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int:
+    """Replace every linear of the decoder layers whose shape `block` divides by a BlockFP8Linear of its weight
+    quantized to the published format on its own device (what quantize_fp8_checkpoint writes, without the disk
+    round trip: benchmarks of random-weight models too large to save). Returns how many."""
+    from dflash_pipeline.extraction.quantized import quantize_fp8_weight
+
+    n = 0
+    for name, m in list(model.named_modules()):
+        if ".layers." not in f".{name}." or not isinstance(m, nn.Linear):
+            continue
+        if m.out_features % block[0] or m.in_features % block[1]:
+            continue
+        wq, ws = quantize_fp8_weight(m.weight.detach(), block)
+        bias = m.bias.detach() if m.bias is not None else None
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, BlockFP8Linear(wq, ws, list(block), bias))
+        n += 1
+    return n
