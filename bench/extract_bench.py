@@ -148,7 +148,7 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
             "scale_fmt": "float",
             "modules_to_not_convert": [],
             "forward": "fp8",
-            "fp8_matmul": quantized.fp8_matmul([device]),
+            "fp8_matmul": quantized.fp8_matmul([device], [args.fp8_block, args.fp8_block]),
         }
         res["fp8_matmul"] = report.quantization["fp8_matmul"]
         log(f"{shape}: FP8 linears multiply by {res['fp8_matmul']}")

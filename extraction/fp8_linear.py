@@ -20,7 +20,7 @@ from dflash_pipeline.extraction.quantized import E4M3_MAX, FP8_MIN_CAPABILITY, d
 
 log = logging.getLogger(__name__)
 ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
-_KERNEL_LAYOUT: dict[int, tuple[bool, bool] | None] = {}  # per CUDA device index (fast_layout)
+_KERNEL_OK: dict[int, bool] = {}  # per CUDA device index: the fast path matched the emulation (fast_path_ok)
 _DECLINED: set = set()  # (device, rows) the kernel refused once: logged once
 
 
@@ -40,61 +40,72 @@ def emulated_matmul(xq, xs, wq, ws, block: list[int], group: int = ACT_GROUP) ->
     return x @ dequantize_fp8(wq, ws, block).T
 
 
-# How the scales are laid out for torch's kernel: the activations' [M, K/128] row- or column-major, the weight's
-# [K/128, N/128] as a transposed view or contiguous. The first layout that runs and matches the emulation is kept.
-LAYOUTS = ((True, False), (True, True), (False, False), (False, True))
-
-
-def _scaled_mm(xq, xs, wq, ws, out_dtype: torch.dtype, layout: tuple[bool, bool]) -> torch.Tensor:
+def _scaled_mm(xq, xs, wq, ws, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's block-scaled FP8 GEMM in the layouts its sm_90 path checks (aten ScaledBlas.cpp,
+    _scaled_block1x128_block128x128): activation scales [M, K/128] column-major; weight scales [K/128, N/128]
+    column-major with K/128 padded to a multiple of 4 (cuBLAS reads them so); M padded to a multiple of 4
+    (cuBLASLt's requirement, as vLLM pads it)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    a_col_major, b_contiguous = layout
-    return scaled_mm(
+    m = xq.shape[0]
+    pad_m = (-m) % 4
+    if pad_m:
+        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad_m)).view(xq.dtype)
+        xs = torch.nn.functional.pad(xs, (0, 0, 0, pad_m), value=1.0)
+    ws = torch.nn.functional.pad(ws, (0, (-ws.shape[1]) % 4))
+    y = scaled_mm(
         xq,
         wq.t(),
-        xs.t().contiguous().t() if a_col_major else xs,
+        xs.t().contiguous().t(),
         ScalingType.BlockWise1x128,
-        ws.t().contiguous() if b_contiguous else ws.t(),
+        ws.t(),
         ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
     )
+    return y[:m] if pad_m else y
 
 
-def fast_layout(device: torch.device) -> tuple[bool, bool] | None:
-    """The scale layout with which torch's block-scaled FP8 GEMM runs on `device` and matches the emulation, or
-    None (emulate): checked once per device."""
+def fast_path_ok(device: torch.device) -> bool:
+    """Whether torch's block-scaled FP8 GEMM runs on `device` and matches the emulation (checked once)."""
     if device.type != "cuda":
-        return None
+        return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _KERNEL_LAYOUT:
-        _KERNEL_LAYOUT[index] = _check_fast_path(torch.device("cuda", index))
-    return _KERNEL_LAYOUT[index]
+    if index not in _KERNEL_OK:
+        _KERNEL_OK[index] = _check_fast_path(torch.device("cuda", index))
+    return _KERNEL_OK[index]
 
 
-def _check_fast_path(device: torch.device) -> tuple[bool, bool] | None:
+def _check_fast_path(device: torch.device) -> bool:
+    """On shapes aligned and not (M = 5 rows, K/128 = 5 scale columns: both padded), against the emulation."""
     from dflash_pipeline.extraction.quantized import quantize_fp8_weight
 
     if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        return None
+        return False
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(256, 512, generator=gen).to(device, torch.bfloat16)
-    wq, ws = (t.to(device) for t in quantize_fp8_weight(torch.randn(384, 512, generator=gen) * 0.02, (128, 128)))
-    xq, xs = quantize_activations(x)
-    ref = emulated_matmul(xq, xs, wq, ws, [128, 128])
-    errors = []
-    for layout in LAYOUTS:
+    for m, k, n in ((256, 512, 384), (5, 640, 256)):
+        x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+        wq, ws = (t.to(device) for t in quantize_fp8_weight(torch.randn(n, k, generator=gen) * 0.02, (128, 128)))
+        xq, xs = quantize_activations(x)
         try:
-            got = _scaled_mm(xq, xs, wq, ws, torch.float32, layout)
-        except Exception as e:  # noqa: BLE001 - any failure: try the next layout, else emulate
-            errors.append(f"{layout}: {type(e).__name__}: {str(e)[:200]}")
-            continue
+            got = _scaled_mm(xq, xs, wq, ws, torch.float32)
+        except (RuntimeError, ValueError) as e:
+            log.warning("torch's block-scaled FP8 GEMM is not usable on %s (%s): FP8 linears run emulated", device, e)
+            return False
+        ref = emulated_matmul(xq, xs, wq, ws, [128, 128])
         err = float((got - ref).norm() / ref.norm())
-        if err <= 1e-3:
-            log.info("FP8 linears on %s: torch's block-scaled FP8 GEMM (scale layout %s)", device, layout)
-            return layout
-        errors.append(f"{layout}: rel L2 {err:.2e} against the emulation")
-    log.warning("torch's block-scaled FP8 GEMM is not usable on %s (%s): FP8 linears run emulated", device, errors)
-    return None
+        if err > 1e-3:
+            log.warning(
+                "torch's block-scaled FP8 GEMM on %s differs from the emulation at %dx%dx%d (rel L2 %.2e): FP8 "
+                "linears run emulated",
+                device,
+                m,
+                k,
+                n,
+                err,
+            )
+            return False
+    log.info("FP8 linears on %s: torch's block-scaled FP8 GEMM", device)
+    return True
 
 
 class BlockFP8Linear(nn.Module):
@@ -114,12 +125,11 @@ class BlockFP8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_activations(x2)
         fits = self.block == [128, 128] and self.in_features % 128 == 0 and self.out_features % 128 == 0
-        layout = fast_layout(x.device) if fits else None
         y = None
-        if layout is not None:
+        if fits and fast_path_ok(x.device):
             try:
-                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_inv, x.dtype, layout)
-            except RuntimeError as e:  # a shape the kernel declines (e.g. too few tokens): this call emulates
+                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
+            except (RuntimeError, ValueError) as e:  # a shape the kernel declines: this call emulates
                 if (x.device, xq.shape[0]) not in _DECLINED:
                     _DECLINED.add((x.device, xq.shape[0]))
                     log.warning("FP8 GEMM declined %s x %s on %s (%s): emulated", *xq.shape, x.device, e)

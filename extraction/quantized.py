@@ -49,6 +49,16 @@ def checkpoint_quantization(model_config: dict, model_path: str) -> dict[str, An
             "the unquantized checkpoint instead"
         )
     block, scale_fmt = q.get("weight_block_size"), q.get("scale_fmt", "float")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise CompatError(
+            f"{model_path}/config.json: {field}.activation_scheme={q['activation_scheme']!r} is not supported "
+            "(supported: 'dynamic', inputs quantized per token and 128 channels as Qwen's FP8 checkpoints do)"
+        )
+    if block is None or len(block) != 2:
+        raise CompatError(
+            f"{model_path}/config.json: {field}.weight_block_size={block!r}: only block-wise FP8 (e.g. [128, 128]) "
+            "is supported"
+        )
     if scale_fmt != "float":
         raise CompatError(
             f"{model_path}/config.json: {field}.scale_fmt={scale_fmt!r} is not supported (supported: 'float', "
@@ -57,22 +67,23 @@ def checkpoint_quantization(model_config: dict, model_path: str) -> dict[str, An
     return {
         "field": field,
         "method": method,
-        "weight_block_size": list(block) if block is not None else None,
-        "activation_scheme": q.get("activation_scheme", "dynamic"),
+        "weight_block_size": list(block),
+        "activation_scheme": "dynamic",
         "scale_fmt": scale_fmt,
         "modules_to_not_convert": list(q.get("modules_to_not_convert") or q.get("ignored_layers") or []),
     }
 
 
-def fp8_matmul(devices: list[str]) -> str:
-    """How the FP8 linears will multiply on `devices`: "scaled_mm" (torch's block-scaled FP8 GEMM, checked against
-    the emulation on each GPU) or "emulated" (same quantized values, float32 product: same states, no speed-up)."""
+def fp8_matmul(devices: list[str], block: list[int] | None) -> str:
+    """How the FP8 linears will multiply on `devices`: "scaled_mm" (torch's block-scaled FP8 GEMM, 128 x 128 weight
+    blocks, checked against the emulation on each GPU) or "emulated" (same quantized values, float32 product: same
+    states, no speed-up)."""
     from dflash_pipeline.extraction import fp8_linear
 
     gpus = [torch.device(d) for d in devices if d.startswith("cuda")]
-    if len(gpus) == len(devices) and torch.cuda.is_available() and all(fp8_linear.fast_layout(g) for g in gpus):
-        return "scaled_mm"
-    return "emulated"
+    if block != [128, 128] or len(gpus) != len(devices) or not torch.cuda.is_available():
+        return "emulated"
+    return "scaled_mm" if all(fp8_linear.fast_path_ok(g) for g in gpus) else "emulated"
 
 
 def resolve(quant: dict | None, setting: str, devices: list[str], model_path: str) -> tuple[dict | None, list[str]]:
@@ -87,7 +98,7 @@ def resolve(quant: dict | None, setting: str, devices: list[str], model_path: st
         )
     if setting == "dequantize":
         return {**quant, "forward": "dequantized"}, []
-    matmul = fp8_matmul(devices)
+    matmul = fp8_matmul(devices, quant["weight_block_size"])
     warnings = []
     if matmul == "emulated":
         warnings.append(

@@ -206,15 +206,21 @@ def test_memory_plan_counts_fp8_weights_at_one_byte_only_when_they_stay_fp8(fp8_
     assert weights_bytes(model_dir, 2, fp8_stays=True) == weights_bytes(model_dir, 2)  # nothing FP8 there
 
 
-def test_quantization_in_text_config_and_unsupported_scales(fp8_dir):
-    """A multimodal checkpoint may carry it in text_config; errors name that field. UE8M0 (power-of-two byte)
-    scales are refused rather than read as numbers."""
+def test_quantization_in_text_config_and_unsupported_formats(fp8_dir):
+    """A multimodal checkpoint may carry it in text_config; errors name that field. What the FP8 forward does not
+    compute exactly is refused: UE8M0 (power-of-two byte) scales, static input scales, per-tensor weight scales."""
     cfg = json.loads(open(f"{fp8_dir}/config.json").read())
     q = cfg.pop("quantization_config")
     nested = {"model_type": "qwen3_5", "text_config": {**cfg, "quantization_config": q}}
     assert quantized.checkpoint_quantization(nested, "m")["field"] == "text_config.quantization_config"
     nested["text_config"]["quantization_config"] = {**q, "scale_fmt": "ue8m0"}
     with pytest.raises(CompatError, match=r"text_config.quantization_config.scale_fmt='ue8m0' is not supported"):
+        quantized.checkpoint_quantization(nested, "m")
+    nested["text_config"]["quantization_config"] = {**q, "activation_scheme": "static"}  # per-tensor input scales
+    with pytest.raises(CompatError, match=r"activation_scheme='static' is not supported"):
+        quantized.checkpoint_quantization(nested, "m")
+    nested["text_config"]["quantization_config"] = {**q, "weight_block_size": None}  # per-tensor weight scales
+    with pytest.raises(CompatError, match=r"weight_block_size=None: only block-wise FP8"):
         quantized.checkpoint_quantization(nested, "m")
 
 
