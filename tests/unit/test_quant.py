@@ -141,6 +141,19 @@ def test_int4_format_as_documented():
     assert abs(float(back[0, 33]) - 0.5) <= quant.INT4_STEPS[s[0, 5]] / 2
 
 
+def test_int4_never_stores_minus_8():
+    """The quantizer relies on every group's step reaching its max / 7 instead of clamping: over rows built to
+    stress the rounding (values at and just under each group's max, massive channels, tiny groups beside huge
+    ones, bf16 inputs) no nibble is 0x8 (-8, outside the format's [-7, 7])."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, 256, generator=g) * torch.logspace(-6, 4, 4096).unsqueeze(1)
+    x[::3, ::32] = x[::3].abs().amax(-1, keepdim=True) * (1 - 1e-7)  # at the row max in every group
+    x[1::3, 5] *= 1e4  # a massive channel
+    for rows in (x, x.bfloat16(), -x):
+        q, _ = quant.quantize(rows, "int4")
+        assert not ((q & 15) == 8).any() and not ((q >> 4) == 8).any()
+
+
 def test_int4_steps_table_is_exact_and_portable():
     """STEP[c] = float32(2^(-c/16)): exact powers of two every 16 codes, decreasing, and each float64 value far
     enough from a float32 rounding midpoint that any libm's 2.0 ** x rounds to the same float32 (a reader in
