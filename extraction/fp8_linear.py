@@ -145,39 +145,42 @@ class BlockFP8Linear(nn.Module):
 
 def install(model: nn.Module, model_path: str, block: list[int]) -> int:
     """Replace every linear whose weight the checkpoint at `model_path` stores in FP8 by a BlockFP8Linear holding
-    that stored weight and its scale; returns how many. The model was loaded dequantized (its other tensors as
-    they should be); names follow the checkpoint's (transformers' key renames are not applied: a name that matches
-    no module is an error)."""
+    that stored weight and its scale (from whichever shard files hold them); returns how many. The model was
+    loaded dequantized (its other tensors as they should be). A multimodal checkpoint's `model.language_model.X`
+    is the text model's `model.X`; FP8 tensors outside the text model (vision tower, multi-token prediction) are
+    skipped as transformers skips them; any other name that matches no linear is an error."""
     from safetensors import safe_open
 
     from dflash_pipeline.errors import CompatError
-    from dflash_pipeline.extraction.modelfiles import weight_files
+    from dflash_pipeline.extraction.modelfiles import safetensors_header, weight_files
+
+    where = {k: f for f in weight_files(model_path) for k in safetensors_header(f) if k != "__metadata__"}
+
+    def tensor(key: str) -> torch.Tensor:
+        with safe_open(str(where[key]), "pt") as fh:
+            return fh.get_tensor(key)
 
     modules = dict(model.named_modules())
     n = skipped = 0
-    for f in weight_files(model_path):
-        with safe_open(str(f), "pt") as fh:
-            keys = set(fh.keys())
-            for key in sorted(k for k in keys if k.endswith(".weight_scale_inv")):
-                stored = key.removesuffix(".weight_scale_inv")
-                # a multimodal checkpoint's language model loads as the text model: model.language_model.X = model.X
-                name = next((c for c in (stored, stored.replace(".language_model.", ".", 1)) if c in modules), None)
-                if name is None:
-                    if ".layers." in stored and not any(p in stored for p in ("visual", "vision", "mtp")):
-                        raise CompatError(f"{f}: {key} scales {stored}, which is no module of the loaded model")
-                    skipped += 1  # vision tower, multi-token-prediction head: transformers does not load them
-                    continue
-                linear = modules[name]
-                if not isinstance(linear, nn.Linear):
-                    raise CompatError(f"{f}: {key} scales {stored}, which is not a linear layer of the loaded model")
-                if f"{stored}.weight" not in keys:
-                    raise CompatError(f"{f}: {key} without {stored}.weight in the same file")
-                bias = linear.bias.detach() if linear.bias is not None else None
-                layer = BlockFP8Linear(fh.get_tensor(f"{stored}.weight"), fh.get_tensor(key), block, bias)
-                layer.to(linear.weight.device)  # a split replica's layers already sit on their GPUs
-                parent, _, child = name.rpartition(".")
-                setattr(modules[parent] if parent else model, child, layer)
-                n += 1
+    for key in sorted(k for k in where if k.endswith(".weight_scale_inv")):
+        stored = key.removesuffix(".weight_scale_inv")
+        name = next((c for c in (stored, stored.replace(".language_model.", ".", 1)) if c in modules), None)
+        if name is None:
+            if ".layers." in stored and not any(p in stored for p in ("visual", "vision", "mtp")):
+                raise CompatError(f"{where[key]}: {key} scales {stored}, which is no module of the loaded model")
+            skipped += 1
+            continue
+        linear = modules[name]
+        if not isinstance(linear, nn.Linear):
+            raise CompatError(f"{where[key]}: {key} scales {stored}, which is not a linear layer of the loaded model")
+        if f"{stored}.weight" not in where:
+            raise CompatError(f"{model_path}: {key} has no {stored}.weight in any weight file")
+        bias = linear.bias.detach() if linear.bias is not None else None
+        layer = BlockFP8Linear(tensor(f"{stored}.weight"), tensor(key), block, bias)
+        layer.to(linear.weight.device)  # a split replica's layers already sit on their GPUs
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, layer)
+        n += 1
     if skipped:
         log.info("%s: %d FP8 tensors outside the text model (not loaded by transformers) skipped", model_path, skipped)
     return n

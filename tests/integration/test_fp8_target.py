@@ -268,3 +268,29 @@ def test_in_memory_quantization_equals_the_checkpoints(model_dir, fp8_dir):
             assert isinstance(other, fp8_linear.BlockFP8Linear), name
             assert torch.equal(m.weight.view(torch.uint8), other.weight.view(torch.uint8))
             assert torch.equal(m.weight_scale_inv, other.weight_scale_inv)
+
+
+def test_sharded_checkpoint_with_scales_apart_from_their_weights(fp8_dir, tmp_path):
+    """Published checkpoints come in shards, and a weight's scale need not sit in the weight's shard: the FP8
+    forward finds both wherever the index puts them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "sharded"
+    shutil.copytree(fp8_dir, d)
+    state = load_file(f"{d}/model.safetensors")
+    (d / "model.safetensors").unlink()
+    shards = {
+        "model-00001-of-00002.safetensors": {k: v for k, v in state.items() if not k.endswith("weight_scale_inv")},
+        "model-00002-of-00002.safetensors": {k: v for k, v in state.items() if k.endswith("weight_scale_inv")},
+    }
+    for name, part in shards.items():
+        save_file(part, d / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(d), str(d))
+    layers = {n: m for n, m in load_planned(r, "cpu").named_modules() if isinstance(m, fp8_linear.BlockFP8Linear)}
+    assert len(layers) == 50
+    m = layers["model.layers.3.mlp.down_proj"]
+    assert torch.equal(m.weight_scale_inv, state["model.layers.3.mlp.down_proj.weight_scale_inv"])
