@@ -89,6 +89,8 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         torch.save(model.state_dict(), tmp / "drafter.pt")
+        if "data" in state:
+            (tmp / DATA).write_text(json.dumps(state["data"], default=str))
         torch.save(
             {
                 "optimizer": optimizer.state_dict(),
@@ -124,6 +126,43 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sp
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state
+
+
+# What a drafter directory's training reads: a checkpoint of another store version, store or target is another
+# training (a new store version after a nightly run, another target), never one to resume.
+DATA_KEYS = ("store", "store_version", "target")
+SUPERSEDED = "superseded"
+DATA = "data.json"  # in each checkpoint: its training's DATA_KEYS
+
+
+def recorded_data(output_dir: str | Path, checkpoint: Path) -> dict[str, Any] | None:
+    """The data (DATA_KEYS) the training in `output_dir` that wrote `checkpoint` trained on: from the checkpoint's
+    data.json (written since session 13), else from the directory's export (dflash_meta.json), else None."""
+    from dflash_pipeline.drafter.export import read_meta
+
+    try:
+        return json.loads((checkpoint / DATA).read_text())
+    except (OSError, ValueError):
+        pass
+    meta = read_meta(Path(output_dir) / "export")
+    return {k: meta.get(k) for k in DATA_KEYS} if meta else None
+
+
+def supersede(output_dir: str | Path, old: dict[str, Any]) -> Path:
+    """Move the directory's training (checkpoints, export, metrics, loss curve) aside, under
+    superseded/<old store version>-<n>/, so a training on other data starts from step 0 and the old drafter is
+    kept. Returns where it went."""
+    out = Path(output_dir)
+    base = out / SUPERSEDED
+    n = 1
+    while (dest := base / f"{old.get('store_version') or 'unknown'}-{n}").exists():
+        n += 1
+    dest.mkdir(parents=True)
+    for name in (checkpoint_dir(out).name, "export", METRICS, LOSS_CURVE, "acceptance.png"):  # (evaluate.PLOT)
+        if (out / name).exists():
+            os.replace(out / name, dest / name)
+    (dest / DATA).write_text(json.dumps(old, indent=1, default=str))
+    return dest
 
 
 def write_report(output_dir: str | Path, history: list[dict], metrics: dict[str, Any]) -> dict[str, str]:

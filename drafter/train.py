@@ -27,7 +27,9 @@ from dflash_pipeline.drafter.checkpoint import (
     finished_run,
     latest_checkpoint,
     load_checkpoint,
+    recorded_data,
     save_checkpoint,
+    supersede,
     write_report,
 )
 from dflash_pipeline.drafter.config import TrainConfig
@@ -189,17 +191,31 @@ def train(
     total = total_steps(len(job.ds), d.world, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     sj = spec_json(job.spec)
+    data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path}
     start, history = 0, []
-    if (ck := latest_checkpoint(out)) is not None:
+    if (ck := latest_checkpoint(out)) is not None and (old := recorded_data(out, ck)) not in (None, data):
+        # another training's checkpoints (another store version, store or target): never resumed into this one
+        if d.rank == 0:
+            moved = supersede(out, old)
+            log.warning(
+                "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s "
+                "and training starts at step 0",
+                out,
+                old.get("store"),
+                old.get("store_version"),
+                old.get("target"),
+                data["store"],
+                data["store_version"],
+                moved,
+            )
+        if d.world > 1:
+            torch.distributed.barrier()
+        ck = None
+    if ck is not None:
         state = load_checkpoint(ck, model, opt, sched, sj)
         start, history = int(state["step"]), list(state.get("history", []))
         log.info("resuming from %s (step %d of %d)", ck, start, total)
-    provenance = {
-        "train_config": cfg.model_dump(mode="json"),
-        "store": str(store_root),
-        "store_version": job.ds.version,
-        "target": report.model_path,
-    }
+    provenance = {"train_config": cfg.model_dump(mode="json"), **data}
     if start >= total and (done := finished_run(out, start, provenance)) is not None:
         log.info("training had finished (step %d of %d, %s): reused, nothing trained", start, total, out / "export")
         if d.owns_group:
@@ -220,7 +236,7 @@ def train(
                 model,
                 opt,
                 sched,
-                {"spec": sj, "total_steps": total, "history": history},
+                {"spec": sj, "total_steps": total, "history": history, "data": data},
                 cfg.keep_checkpoints,
             )
         if d.world > 1:

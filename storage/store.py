@@ -59,6 +59,15 @@ def _identity(attrs: dict[str, Any], key: str) -> Any:
     return attrs.get(key, IDENTITY_DEFAULTS.get(key))
 
 
+def _difference(key: str, a: Any, b: Any) -> str:
+    """One identity key that differs, briefly: of two dicts (a quantized target's record) only the entries that
+    differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        sub = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        return "; ".join(f"{key}.{k}: store has {a.get(k)!r}, this run has {b.get(k)!r}" for k in sub)
+    return f"{key}: store has {a!r}, this run has {b!r}"
+
+
 def same_identity(attrs: dict[str, Any], provenance: dict[str, Any]) -> bool:
     """Whether a version with root attributes `attrs` holds states of the run with this `provenance`."""
     return all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS)
@@ -171,9 +180,9 @@ class Store:
                 for k in IDENTITY_KEYS
                 if _identity(last, k) != _identity(provenance, k)
             }
-            shown = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diffs.items())
+            shown = "; ".join(_difference(k, a, b) for k, (a, b) in diffs.items())
             raise StoreError(
-                f"store {self.url} was made with another model or layer set ({shown}). "
+                f"store {self.url} holds states of another target, layer set or forward ({shown}). "
                 "Refusing to mix them. Set extract.new_version=true to start a new store "
                 "version beside it, or use another store_path"
             )

@@ -246,3 +246,39 @@ def test_a_second_run_in_the_same_drafter_directory_is_refused(tmp_path):
         holder.wait()
     with pytest.raises(PipelineError, match="no validated store version"):  # past the lock: the next check
         run_pipeline(cfg, LocalRunner())
+
+
+@pytest.mark.parametrize("recorded_in", ["checkpoint", "export"])
+def test_a_training_on_other_data_is_moved_aside_not_resumed(work, reference, tmp_path, recorded_in):
+    """A drafter directory whose training read another store version (a nightly run made a new one; the record
+    in the checkpoints, or for directories from before it, in the export) is not resumed into this run: it would
+    have trained nothing and exported the old drafter labelled with the new version. It is moved aside, kept,
+    and this run trains from step 0 exactly as a fresh one."""
+    import shutil
+
+    out = tmp_path / "drafter"
+    shutil.copytree(reference.output_dir, out)
+    meta_path = out / "export" / "dflash_meta.json"
+    for ck in (out / "checkpoints").iterdir():
+        rec = ck / "data.json"
+        assert json.loads(rec.read_text())["store_version"] == reference_version(work)
+        if recorded_in == "checkpoint":
+            rec.write_text(json.dumps({**json.loads(rec.read_text()), "store_version": "v0000"}))
+        else:
+            rec.unlink()
+    if recorded_in == "export":
+        meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "store_version": "v0000"}))
+    res = train(TrainConfig(**TRAIN), work["store"], work["report"], out)
+    assert res.start_step == 0 and res.steps == STEPS and not res.reused
+    assert [h["loss"] for h in res.history] == pytest.approx([h["loss"] for h in reference.history], rel=1e-5)
+    assert json.loads(meta_path.read_text())["store_version"] == reference_version(work)
+    (moved,) = (out / "superseded").iterdir()
+    assert moved.name == "v0000-1" and (moved / "export" / "model.safetensors").is_file()
+    assert (moved / "checkpoints").is_dir()
+    assert json.loads((moved / "data.json").read_text())["store_version"] == "v0000"
+
+
+def reference_version(work) -> str:
+    from dflash_pipeline.storage.store import Store
+
+    return Store(work["store"]).current()

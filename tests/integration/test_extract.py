@@ -95,7 +95,7 @@ def test_store_of_another_layer_set_is_refused_or_versioned(small_store, tmp_pat
     other = {**_overrides(small_store), "layers.ids": [1, 2]}
     with pytest.raises(
         StoreError,
-        match=r"another model or layer set \(layer_ids: store has \[1, 2, 3\], this run has \[1, 2\]\)"
+        match=r"another target, layer set or forward \(layer_ids: store has \[1, 2, 3\], this run has \[1, 2\]\)"
         r".*extract.new_version=true",
     ):
         extract_local(out, other)

@@ -294,3 +294,17 @@ def test_sharded_checkpoint_with_scales_apart_from_their_weights(fp8_dir, tmp_pa
     assert len(layers) == 50
     m = layers["model.layers.3.mlp.down_proj"]
     assert torch.equal(m.weight_scale_inv, state["model.layers.3.mlp.down_proj.weight_scale_inv"])
+
+
+def test_switching_the_forward_is_refused_naming_the_difference(fp8_dir, tmp_path):
+    """The same checkpoint, dequantized, then with its FP8 forward into the same store: refused until a new
+    version is asked for, and the message names the one entry that differs, not the whole record."""
+    from dflash_pipeline.errors import StoreError
+
+    over = {"target.model_path": fp8_dir, "data.max_samples": 4, "layers.preset": "explicit", "layers.ids": [5]}
+    extract_local(tmp_path / "run", {**over, "target.quantization": "dequantize"})
+    with pytest.raises(StoreError) as e:
+        extract_local(tmp_path / "run", over)
+    msg = str(e.value)
+    assert "target_quantization.forward: store has 'dequantized', this run has 'fp8'" in msg
+    assert "modules_to_not_convert" not in msg and "extract.new_version=true" in msg

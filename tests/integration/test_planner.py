@@ -113,7 +113,7 @@ def test_already_committed_counts_only_this_datasets_samples(model_dir, tmp_path
     assert run({"data.max_samples": 30, "extract.new_version": True}).results["estimate"].already_committed_tokens == 0
     refused = LocalRunner()
     other_layers = {"stages": ["prepare", "extract"], "data.max_samples": 30, "layers.preset": "explicit"}
-    with pytest.raises(StoreError, match="another model or layer set"):
+    with pytest.raises(StoreError, match="another target, layer set or forward"):
         run_pipeline(config(tmp_path, {**other_layers, "layers.ids": [1, 2]}), refused)
     assert refused.results["estimate"].already_committed_tokens == 0
 
