@@ -167,6 +167,29 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
     return loss.detach(), {**stats, "queries": work[0], "attn_pairs": work[1]}
 
 
+def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
+    """The directory's latest checkpoint, if its training read `data` (store, version, target). Another training's
+    (another store version after a nightly run, another store or target) is never resumed into this one: rank 0
+    moves it aside whole (checkpoint.supersede) and this one starts at step 0."""
+    ck = latest_checkpoint(out)
+    old = recorded_data(out, ck) if ck is not None else None
+    if d.world > 1:
+        torch.distributed.barrier()  # every rank has read the records before rank 0 moves anything
+    if old is None or old == data:
+        return ck
+    if d.rank == 0:
+        moved = supersede(out, old)
+        log.warning(
+            "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s and "
+            "training starts at step 0",
+            out, old.get("store"), old.get("store_version"), old.get("target"), data["store"], data["store_version"],
+            moved,
+        )  # fmt: skip
+    if d.world > 1:
+        torch.distributed.barrier()
+    return None
+
+
 def train(
     cfg: TrainConfig,
     store_root: str | Path,
@@ -193,24 +216,7 @@ def train(
     sj = spec_json(job.spec)
     data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path}
     start, history = 0, []
-    if (ck := latest_checkpoint(out)) is not None and (old := recorded_data(out, ck)) not in (None, data):
-        # another training's checkpoints (another store version, store or target): never resumed into this one
-        if d.rank == 0:
-            moved = supersede(out, old)
-            log.warning(
-                "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s "
-                "and training starts at step 0",
-                out,
-                old.get("store"),
-                old.get("store_version"),
-                old.get("target"),
-                data["store"],
-                data["store_version"],
-                moved,
-            )
-        if d.world > 1:
-            torch.distributed.barrier()
-        ck = None
+    ck = _checkpoint_to_resume(out, data, d)
     if ck is not None:
         state = load_checkpoint(ck, model, opt, sched, sj)
         start, history = int(state["step"]), list(state.get("history", []))
