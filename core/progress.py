@@ -339,8 +339,13 @@ def stage_names(cfg) -> list[str]:
 
 def said_probe(r) -> str:
     where = ", ".join(sorted(set(r.replicas)))
+    q = r.quantization
+    forward = ""
+    if q:  # an FP8 checkpoint: which of its forwards runs (the store records the same)
+        forward = f", FP8 forward ({q['fp8_matmul']})" if q["forward"] == "fp8" else ", FP8 checkpoint dequantized"
     return (
         f"{r.num_layers} layers, hidden {r.hidden_size}, capturing layers {r.layer_ids}, {r.compute_dtype} on {where}"
+        f"{forward}"
     )
 
 

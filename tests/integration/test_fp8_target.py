@@ -54,6 +54,11 @@ def test_fp8_forward_runs_emulated_where_no_fp8_gemm_exists(fp8_dir):
     assert r.quantization["forward"] == "fp8" and r.quantization["fp8_matmul"] == "emulated"
     assert any("FP8 forward runs emulated" in w for w in r.warnings)
     assert "/ fp8 (emulated)" in r.to_markdown()
+    from dflash_pipeline.progress import said_probe
+
+    assert said_probe(r).endswith("float32 on cpu, FP8 forward (emulated)")
+    deq = probe(TargetConfig(quantization="dequantize"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    assert said_probe(deq).endswith("float32 on cpu, FP8 checkpoint dequantized")
     model = load_planned(r, "cpu")
     layers = [m for m in model.modules() if isinstance(m, fp8_linear.BlockFP8Linear)]
     assert len(layers) == 50 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
