@@ -140,15 +140,12 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     if args.target_fp8:  # the manifest's config has no quantization_config: say what the model is
         from dflash_pipeline.extraction import quantized
 
+        block = [args.fp8_block, args.fp8_block]
+        fmt = {"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
         report.quantization = {
-            "field": "bench (random weights quantized in memory)",
-            "method": "fp8",
-            "weight_block_size": [args.fp8_block, args.fp8_block],
-            "activation_scheme": "dynamic",
-            "scale_fmt": "float",
-            "modules_to_not_convert": [],
+            **quantized.checkpoint_quantization(fmt, "bench (random weights quantized in memory)"),
             "forward": "fp8",
-            "fp8_matmul": quantized.fp8_matmul([device], [args.fp8_block, args.fp8_block]),
+            "fp8_matmul": quantized.fp8_matmul([device], block),
         }
         res["fp8_matmul"] = report.quantization["fp8_matmul"]
         log(f"{shape}: FP8 linears multiply by {res['fp8_matmul']}")

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from dflash_pipeline.extraction.quantized import E4M3_MAX, FP8_MIN_CAPABILITY, dequantize_fp8
+from dflash_pipeline.extraction.quantized import E4M3_MAX, FP8_MIN_CAPABILITY, dequantize_fp8, quantize_fp8_weight
 
 log = logging.getLogger(__name__)
 ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
@@ -28,7 +28,10 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/group)]): scale = group absmax / 448."""
     m, k = x.shape
     groups = -(-k // group)
-    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    padded = x.float()
+    if groups * group != k:
+        padded = torch.nn.functional.pad(padded, (0, groups * group - k))
+    padded = padded.view(m, groups, group)
     scale = (padded.abs().amax(dim=-1) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(m, groups * group)[:, :k], scale
@@ -40,11 +43,17 @@ def emulated_matmul(xq, xs, wq, ws, block: list[int], group: int = ACT_GROUP) ->
     return x @ dequantize_fp8(wq, ws, block).T
 
 
-def _scaled_mm(xq, xs, wq, ws, out_dtype: torch.dtype) -> torch.Tensor:
+def padded_weight_scale(ws: torch.Tensor) -> torch.Tensor:
+    """The weight scales [N/128, K/128] with K/128 padded to a multiple of 4: cuBLAS reads them so (the
+    transposed view of this is the [K/128, N/128] column-major operand)."""
+    return torch.nn.functional.pad(ws, (0, (-ws.shape[1]) % 4)).contiguous()
+
+
+def _scaled_mm(xq, xs, wq, ws_padded, out_dtype: torch.dtype) -> torch.Tensor:
     """torch's block-scaled FP8 GEMM in the layouts its sm_90 path checks (aten ScaledBlas.cpp,
-    _scaled_block1x128_block128x128): activation scales [M, K/128] column-major; weight scales [K/128, N/128]
-    column-major with K/128 padded to a multiple of 4 (cuBLAS reads them so); M padded to a multiple of 4
-    (cuBLASLt's requirement, as vLLM pads it)."""
+    _scaled_block1x128_block128x128): activation scales [M, K/128] column-major; weight scales
+    (`padded_weight_scale`) [K/128, N/128] column-major; M padded to a multiple of 4 (cuBLASLt's requirement, as
+    vLLM pads it)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
     m = xq.shape[0]
@@ -52,13 +61,12 @@ def _scaled_mm(xq, xs, wq, ws, out_dtype: torch.dtype) -> torch.Tensor:
     if pad_m:
         xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad_m)).view(xq.dtype)
         xs = torch.nn.functional.pad(xs, (0, 0, 0, pad_m), value=1.0)
-    ws = torch.nn.functional.pad(ws, (0, (-ws.shape[1]) % 4))
     y = scaled_mm(
         xq,
         wq.t(),
         xs.t().contiguous().t(),
         ScalingType.BlockWise1x128,
-        ws.t(),
+        ws_padded.t(),
         ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
     )
@@ -77,8 +85,6 @@ def fast_path_ok(device: torch.device) -> bool:
 
 def _check_fast_path(device: torch.device) -> bool:
     """On shapes aligned and not (M = 5 rows, K/128 = 5 scale columns: both padded), against the emulation."""
-    from dflash_pipeline.extraction.quantized import quantize_fp8_weight
-
     if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         return False
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -87,7 +93,7 @@ def _check_fast_path(device: torch.device) -> bool:
         wq, ws = (t.to(device) for t in quantize_fp8_weight(torch.randn(n, k, generator=gen) * 0.02, (128, 128)))
         xq, xs = quantize_activations(x)
         try:
-            got = _scaled_mm(xq, xs, wq, ws, torch.float32)
+            got = _scaled_mm(xq, xs, wq, padded_weight_scale(ws), torch.float32)
         except (RuntimeError, ValueError) as e:
             log.warning("torch's block-scaled FP8 GEMM is not usable on %s (%s): FP8 linears run emulated", device, e)
             return False
@@ -118,6 +124,8 @@ class BlockFP8Linear(nn.Module):
         self.block = list(block)
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
+        # the GEMM's layout of it, made once (not a checkpoint tensor: not in the state dict)
+        self.register_buffer("weight_scale_mm", padded_weight_scale(self.weight_scale_inv), persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +136,7 @@ class BlockFP8Linear(nn.Module):
         y = None
         if fits and fast_path_ok(x.device):
             try:
-                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
+                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_mm, x.dtype)
             except (RuntimeError, ValueError) as e:  # a shape the kernel declines: this call emulates
                 if (x.device, xq.shape[0]) not in _DECLINED:
                     _DECLINED.add((x.device, xq.shape[0]))
@@ -190,8 +198,6 @@ def quantize_model(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int
     """Replace every linear of the decoder layers whose shape `block` divides by a BlockFP8Linear of its weight
     quantized to the published format on its own device (what quantize_fp8_checkpoint writes, without the disk
     round trip: benchmarks of random-weight models too large to save). Returns how many."""
-    from dflash_pipeline.extraction.quantized import quantize_fp8_weight
-
     n = 0
     for name, m in list(model.named_modules()):
         if ".layers." not in f".{name}." or not isinstance(m, nn.Linear):

@@ -118,11 +118,10 @@ def load_kwargs(quant: dict | None) -> dict:
         return {}
     from transformers import FineGrainedFP8Config
 
-    block = quant["weight_block_size"]
     return {
         "quantization_config": FineGrainedFP8Config(
             dequantize=True,
-            weight_block_size=tuple(block) if block else None,
+            weight_block_size=tuple(quant["weight_block_size"]),
             activation_scheme=quant["activation_scheme"],
             modules_to_not_convert=quant["modules_to_not_convert"] or None,
         )
@@ -152,16 +151,14 @@ def finish_loaded(model, quant: dict | None, dtype: torch.dtype, model_path: str
             raise CompatError(f"{model_path}: quantization_config says FP8, but no weight has a weight_scale_inv")
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point() and t.dtype not in FP8_TORCH_DTYPES and t.dtype != dtype:
-            if not name.endswith("weight_scale_inv"):  # the FP8 linears' float32 block scales
+            if not name.endswith(("weight_scale_inv", "weight_scale_mm")):  # the FP8 linears' float32 scales
                 t.data = t.data.to(dtype)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | None) -> torch.Tensor:
-    """float32 weight of an e4m3 `weight` [N, K] and its `weight_scale_inv` (per [bn, bk] block; a scalar for
-    per-tensor): the reference the dequantized load must match."""
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """float32 weight of an e4m3 `weight` [N, K] and its `weight_scale_inv` per [bn, bk] block (edge blocks cover
+    what is left): the reference the dequantized load must match."""
     w = weight.float()
-    if block is None or scale_inv.ndim == 0:
-        return w * scale_inv.float()
     bn, bk = block
     s = scale_inv.float().repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bk, 1)[:, : w.shape[1]]
     return w * s

@@ -145,6 +145,7 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gmax = torch.maximum(xg.amax(-1), -xg.amin(-1))  # [..., groups], no |x| copy of the rows
     amax = gmax.amax(-1)
     bad = ~torch.isfinite(amax)  # NaN / inf: R = NaN, so the whole row decodes to NaN
+    any_bad = bool(bad.any())  # the one host sync
     steps, increasing = _steps(x.device)
     ratio = torch.where(amax.unsqueeze(-1) > 0, gmax / amax.unsqueeze(-1), torch.zeros_like(gmax))
     # the largest code whose step is at least the group's share of the row's max: 255 - #(steps < ratio)
@@ -154,12 +155,12 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     step = torch.where(step == 0, torch.ones_like(step), step)  # an all-zero row: 0 / 1 = 0 (groups, not values)
     y = xg / step.unsqueeze(-1)
     del xf, xg  # a float32 copy of the rows less on the device while q is made
-    if bad.any():  # only then can y hold NaN or an infinity (0 / 0, x / inf)
+    if any_bad:  # only then can y hold NaN or an infinity (0 / 0, x / inf)
         y.nan_to_num_(0.0, 7.0, -7.0)
     # No clamp needed: a group's step is at least its max / 7 (up to float32 rounding), so |round(y)| <= 7
     q = y.round_().to(torch.int8).view(torch.uint8).view(*lead, n_groups * INT4_GROUP)[..., :h]
     packed = (q[..., 0::2] & 15) | (q[..., 1::2] << 4)  # 4-bit two's complement, even channel low
-    if bad.any():
+    if any_bad:
         ref = torch.where(bad, torch.full_like(ref, math.nan), ref)
         codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
     header = ref.contiguous().unsqueeze(-1).view(torch.uint8)  # [..., 4]: R's float32 bytes

@@ -39,24 +39,17 @@ def full_store(config: str, sets: list[str]) -> Path:
     return Path(stages.resolve_paths(load_config(config, sets)).store)
 
 
-def store_of(out: Path, precision: str, config: str, sets: list[str]) -> Path:
-    return full_store(config, sets) if precision == "full" else out / f"store-{precision}"
-
-
 def overrides_for(args, precision: str, extra: dict) -> dict:
-    """The user's --set, then this precision's store in the main run's work directory (its regenerated and
-    prepared data are reused), then `extra`."""
+    """The user's --set, then this precision's store (the main run's for `full`) in the main run's work directory
+    (its regenerated and prepared data are reused), then `extra`."""
     from dflash_pipeline import stages
     from dflash_pipeline.config import load_config, parse_override
 
     cfg = stages.resolve_paths(load_config(args.config, args.set))
+    store = cfg.store if precision == "full" else args.out / f"store-{precision}"
     return (
         dict(map(parse_override, args.set))
-        | {
-            "output_dir": str(cfg.output_dir),
-            "store_path": str(store_of(args.out, precision, args.config, args.set)),
-            "extract.store_precision": precision,
-        }
+        | {"output_dir": str(cfg.output_dir), "store_path": str(store), "extract.store_precision": precision}
         | extra
     )
 

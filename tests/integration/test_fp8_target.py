@@ -313,3 +313,16 @@ def test_switching_the_forward_is_refused_naming_the_difference(fp8_dir, tmp_pat
     msg = str(e.value)
     assert "target_quantization.forward: store has 'dequantized', this run has 'fp8'" in msg
     assert "modules_to_not_convert" not in msg and "extract.new_version=true" in msg
+
+
+def test_fp8_layers_keep_float32_scales_in_a_bfloat16_model(fp8_dir):
+    """The compute dtype reaches every other tensor, never the FP8 weights or their float32 block scales (nor the
+    GEMM's padded copy of them)."""
+    r = probe(TargetConfig(dtype="bfloat16"), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    model = load_planned(r, "cpu")
+    layer = model.model.layers[3].mlp.down_proj
+    assert isinstance(layer, fp8_linear.BlockFP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_scale_inv.dtype == layer.weight_scale_mm.dtype == torch.float32
+    assert layer.weight_scale_mm.shape == (2, 8) and "weight_scale_mm" not in layer.state_dict()  # 6 -> 8 columns
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    assert model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False).logits.dtype == torch.bfloat16
