@@ -13,7 +13,9 @@
 # fused GDN forward), disk (write the fresh disk once before measuring the pipeline: `bash bench/device.sh disk
 # extract`), extract-int4 (issue 29: the 8B pipeline at the precision the disk check recommends, then int4,
 # fp8, full), quant (each compact precision's quantization time per batch against the forward; bench/quant_bench.py),
-# fp8 (issue 31: extraction from the target in bf16, then the same weights in block-wise FP8; FP8_SHAPES, FP8_TOKENS),
+# fp8 (issue 31: extraction from the target in bf16, then the same weights in block-wise FP8; FP8_SHAPES, FP8_TOKENS,
+# FP8_TARGETS, FP8_PROFILE=N profiles N batches of (a), FP8_ARGS more extract_bench.py options),
+# fp8-equality (issue 31: the FP8 states per layer against the emulation, transformers' dequantized forward, bf16),
 # realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
@@ -82,11 +84,16 @@ for step in "$@"; do
                     --out "$OUT/int4" 2>&1 | tee "$OUT/int4_log.txt" ;;
     quant) python3 quant_bench.py --out "$OUT" 2>&1 | tee "$OUT/quant_log.txt" ;;
     # Issue 31: the same random-weight shape as bf16, then quantized to block-wise FP8 in memory (FP8_SHAPES)
-    fp8) for t in bf16 fp8; do
-           python3 extract_bench.py --shapes "${FP8_SHAPES:-27b}" --tokens-27b "${FP8_TOKENS:-200000}" --no-save \
-             --skip-naive --writer-gib 0 $([[ $t == fp8 ]] && echo --target-fp8) --out "$OUT/fp8-$t" 2>&1 \
+    fp8) for t in ${FP8_TARGETS:-bf16 fp8}; do
+           python3 extract_bench.py --shapes "$(echo ${FP8_SHAPES:-27b} | tr ' ' ,)" --tokens-27b "${FP8_TOKENS:-200000}" --no-save \
+             --skip-naive --writer-gib 0 $([[ $t == fp8 ]] && echo --target-fp8) --profile-a "${FP8_PROFILE:-0}" ${FP8_ARGS:-} \
+             --out "$OUT/fp8-$t" 2>&1 \
              | tee "$OUT/fp8-${t}_log.txt"
          done ;;
+    # Issue 31: the FP8 forward's stored states per layer against the emulation, transformers' dequantized forward
+    # and the bf16 source model (bench/fp8_equality.py; FP8_SHAPES)
+    fp8-equality) for s in ${FP8_SHAPES:-27b}; do python3 fp8_equality.py --shape "$s" --out "$OUT" 2>&1 \
+                    | tee "$OUT/fp8_equality_${s}_log.txt"; done ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
     # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
     realtext-target) python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-6}" \

@@ -12,6 +12,7 @@ values and scales, dequantized and multiplied in float32 (the same states up to 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
 _KERNEL_OK: dict[int, bool] = {}  # per CUDA device index: the fast path matched the emulation (fast_path_ok)
 _DECLINED: set = set()  # (device, rows) the kernel refused once: logged once
+_QUANTIZE: list = []  # [quantize_activations compiled for CUDA] once fast_path_ok has checked it, else [eager]
+# The last input quantized, (weakref to it, its version, (xq, xs)): q/k/v, gate/up and a Gated DeltaNet's two input
+# projections read one tensor, quantized once; dropped with that tensor
+_LAST: list = []
 
 
 def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +40,38 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     scale = (padded.abs().amax(dim=-1) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(m, groups * group)[:, :k], scale
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations, on a GPU compiled into one kernel per input width (eager it is ~6 passes over the
+    activations; on the 27B shape even a dynamic-shape compile of it took 24% of the FP8 forward's GPU time, this
+    one 4%: bench/RESULTS.md, session 14); inside a compiled region (extract.compile=layers) it is traced into that
+    graph instead. The compiled kernel is used only where fast_path_ok found it bit-equal to eager."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling() or not _QUANTIZE:
+        return quantize_activations(x)
+    torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel per K (static K: simpler indexing), any number of rows
+    return _QUANTIZE[0](x)
+
+
+def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize of x [..., K] as [M, K], reusing the previous call's result when x is the same tensor, unchanged
+    (sibling projections of one input)."""
+    if torch.compiler.is_compiling():
+        return _quantize(x.reshape(-1, x.shape[-1]))
+    # (an inference tensor has no version counter: identity alone; the transformers models we run modify no linear's
+    # input in place, and tests/integration/test_fp8_target.py holds the cached forward bit-equal to the uncached)
+    version = None if x.is_inference() else x._version
+    entry = next(iter(_LAST), None)
+    if entry is not None and entry[0]() is x and entry[1] == version:
+        return entry[2]
+    q = _quantize(x.reshape(-1, x.shape[-1]))
+
+    def drop(ref):  # x is gone: free its quantized copy now, not at the next linear
+        if _LAST and _LAST[0][0] is ref:
+            _LAST.clear()
+
+    _LAST[:] = [(weakref.ref(x, drop), version, q)]
+    return q
 
 
 def emulated_matmul(xq, xs, wq, ws, block: list[int], group: int = ACT_GROUP) -> torch.Tensor:
@@ -110,8 +147,31 @@ def _check_fast_path(device: torch.device) -> bool:
                 err,
             )
             return False
+    _QUANTIZE[:] = [_compiled_quantize(device)]
     log.info("FP8 linears on %s: torch's block-scaled FP8 GEMM", device)
     return True
+
+
+def _compiled_quantize(device: torch.device):
+    """quantize_activations compiled, if it compiles and quantizes bit-equal to eager on `device` (rows of
+    unaligned counts and a zero row included); else the eager function."""
+    compiled = torch.compile(quantize_activations, dynamic=False)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    try:
+        for m, k in ((333, 5120), (7, 1536)):
+            x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).to(device, torch.bfloat16)
+            x[0] = 0
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            (q, s), (q_ref, s_ref) = compiled(x), quantize_activations(x)
+            if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
+                log.warning("compiled FP8 activation quantization differs from eager on %s: eager is used", device)
+                return quantize_activations
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no Triton, an inductor failure: eager gives the same values
+        log.warning("FP8 activation quantization does not compile on %s (%s): eager is used", device, e)
+        return quantize_activations
+    return compiled
 
 
 class BlockFP8Linear(nn.Module):
@@ -129,23 +189,23 @@ class BlockFP8Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, xs = quantize_activations(x2)
-        fits = self.block == [128, 128] and self.in_features % 128 == 0 and self.out_features % 128 == 0
-        y = None
-        if fits and fast_path_ok(x.device):
-            try:
-                y = _scaled_mm(xq, xs, self.weight, self.weight_scale_mm, x.dtype)
-            except (RuntimeError, ValueError) as e:  # a shape the kernel declines: this call emulates
-                if (x.device, xq.shape[0]) not in _DECLINED:
-                    _DECLINED.add((x.device, xq.shape[0]))
-                    log.warning("FP8 GEMM declined %s x %s on %s (%s): emulated", *xq.shape, x.device, e)
-        if y is None:
-            y = emulated_matmul(xq, xs, self.weight, self.weight_scale_inv, self.block).to(x.dtype)
+        xq, xs = _quantize_input(x)
+        y = self._product(xq, xs, x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @torch.compiler.disable  # (a compiled MLP around it: the GEMM and its once-per-GPU self-check run eager)
+    def _product(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        fits = self.block == [128, 128] and self.in_features % 128 == 0 and self.out_features % 128 == 0
+        if fits and fast_path_ok(xq.device):
+            try:
+                return _scaled_mm(xq, xs, self.weight, self.weight_scale_mm, dtype)
+            except (RuntimeError, ValueError) as e:  # a shape the kernel declines: this call emulates
+                if (xq.device, xq.shape[0]) not in _DECLINED:
+                    _DECLINED.add((xq.device, xq.shape[0]))
+                    log.warning("FP8 GEMM declined %s x %s on %s (%s): emulated", *xq.shape, xq.device, e)
+        return emulated_matmul(xq, xs, self.weight, self.weight_scale_inv, self.block).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"

@@ -173,10 +173,13 @@ def compile_modules(model, mode: str) -> int:
         want = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
         if mode == "parts":
             # dense MLPs only: a mixture-of-experts block routes tokens with data-dependent shapes
+            # (not an FP8 target's: its GEMMs run outside the graph, which then breaks at each linear, leaving
+            # nothing fused, and its gate and up projections could no longer share their input's quantization)
             want += [
                 layer.mlp
                 for layer in decoder_layers(model)
                 if type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
+                and not any(type(m).__name__ == "BlockFP8Linear" for m in layer.mlp.modules())
             ]
     elif mode == "layers":
         want = list(decoder_layers(model))

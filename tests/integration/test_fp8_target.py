@@ -1,8 +1,10 @@
-"""FP8 targets (extraction/quantized.py): a block-wise FP8 checkpoint in the published format, made here from the
-embedded target, is refused on CPU by default (transformers itself would silently dequantize it), extracted from
-its dequantized weights with target.quantization=dequantize (states equal to a fresh forward: validation passes),
-and the store records the quantization. The FP8 forward itself needs a GPU of compute capability >= 8.9 and
-transformers' FP8 kernel: not run here."""
+"""FP8 targets (extraction/quantized.py, extraction/fp8_linear.py): a block-wise FP8 checkpoint in the published
+format, made here from the embedded target, is probed, loaded and extracted with its own FP8 forward (emulated on
+CPU: the same quantized operands multiplied in float32; torch's block-scaled GEMM on an H100/H200 is checked
+against this emulation on the GPU itself, not here), or dequantized with target.quantization=dequantize; the store
+records the quantization and validation recomputes with the same forward.
+
+"""
 
 from __future__ import annotations
 
@@ -94,6 +96,24 @@ def test_fp8_linear_is_the_formats_arithmetic():
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
     plain = x @ w.T  # and FP8 is not the bf16 model: a few percent away
     assert 1e-3 < float((got - plain).norm() / plain.norm()) < 0.1
+
+
+def test_sibling_projections_quantize_their_input_once_bit_equal(fp8_dir, monkeypatch):
+    """q/k/v, gate/up and a Gated DeltaNet's two input projections read one tensor: it is quantized once, and the
+    forward is bit-equal to quantizing at every linear (the cache holds no stale input: nothing in place)."""
+    r = probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), fp8_dir, fp8_dir)
+    model = load_planned(r, "cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = fp8_linear._quantize
+    monkeypatch.setattr(fp8_linear, "_quantize", lambda x: calls.append(x.shape) or real(x))
+    with torch.inference_mode():
+        cached = model(input_ids=ids, use_cache=False).logits
+        n_cached = len(calls)
+        monkeypatch.setattr(fp8_linear, "_quantize_input", lambda x: fp8_linear._quantize(x.reshape(-1, x.shape[-1])))
+        every = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(cached, every)
+    assert len(calls) - n_cached == 50 and n_cached == 32  # per layer 1 (GDN) or 2 (q/k/v), and 1 (gate/up) shared
 
 
 def test_dequantized_load_is_the_reference_dequantization(fp8_dir, model_dir):
