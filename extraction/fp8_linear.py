@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
 _KERNEL_OK: dict[int, bool] = {}  # per CUDA device index: the fast path matched the emulation (fast_path_ok)
 _DECLINED: set = set()  # (device, rows) the kernel refused once: logged once
-_QUANTIZE: list = []  # [quantize_activations compiled for CUDA] once fast_path_ok has checked it, else [eager]
+# (device index, dtype) -> the activation quantizer _compiled_quantize chose there; off with extract.compile=off
+_QUANTIZERS: dict = {}
+_COMPILE_QUANTIZE = [True]
 # The last input quantized, (weakref to it, its version, (xq, xs)): q/k/v, gate/up and a Gated DeltaNet's two input
-# projections read one tensor, quantized once; dropped with that tensor
+# projections read one tensor, quantized once. Cleared when that tensor goes and around every forward of a module
+# holding FP8 linears (an attention, an MLP: _scope_input_cache), so reuse never reaches past one block.
 _LAST: list = []
 
 
@@ -42,15 +45,34 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     return q.view(m, groups * group)[:, :k], scale
 
 
+def compile_quantization(enabled: bool) -> None:
+    """Whether GPU activation quantization may run compiled (loader.compile_modules: off with extract.compile=off
+    and when a compiled forward failed)."""
+    _COMPILE_QUANTIZE[0] = enabled
+
+
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activations, on a GPU compiled into one kernel per input width (eager it is ~6 passes over the
-    activations; on the 27B shape even a dynamic-shape compile of it took 24% of the FP8 forward's GPU time, this
-    one 4%: bench/RESULTS.md, session 14); inside a compiled region (extract.compile=layers) it is traced into that
-    graph instead. The compiled kernel is used only where fast_path_ok found it bit-equal to eager."""
-    if x.device.type != "cuda" or torch.compiler.is_compiling() or not _QUANTIZE:
+    activations; on the 27B shape a dynamic-shape compile of it took 24% of the FP8 forward's GPU time, this one
+    5%: bench/RESULTS.md, session 14), where _compiled_quantize found it bit-equal to eager. A later compile that
+    fails (a new width) leaves eager for good on that device, with a warning."""
+    if x.device.type != "cuda" or not _COMPILE_QUANTIZE[0] or torch.compiler.is_compiling():
         return quantize_activations(x)
-    torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel per K (static K: simpler indexing), any number of rows
-    return _QUANTIZE[0](x)
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), x.dtype)
+    fn = _QUANTIZERS.get(key)
+    if fn is None:
+        fn = _QUANTIZERS[key] = _compiled_quantize(x.device, x.dtype)
+    if fn is quantize_activations:
+        return fn(x)
+    torch._dynamo.maybe_mark_dynamic(x, 0)  # static K (simple indexing), any number of rows
+    try:
+        return fn(x)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an inductor failure on a new width: eager gives the same values
+        log.warning("compiled FP8 activation quantization failed on %s (%s): eager from now on", x.device, e)
+        _QUANTIZERS[key] = quantize_activations
+        return quantize_activations(x)
 
 
 def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +80,31 @@ def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (sibling projections of one input)."""
     if torch.compiler.is_compiling():
         return _quantize(x.reshape(-1, x.shape[-1]))
-    # (an inference tensor has no version counter: identity alone; the transformers models we run modify no linear's
-    # input in place, and tests/integration/test_fp8_target.py holds the cached forward bit-equal to the uncached)
+    # (an inference tensor has no version counter: identity alone, within one block's forward; the transformers
+    # blocks we run modify no projection's input in place, and tests/integration/test_fp8_target.py holds the
+    # shared forward bit-equal to quantizing at every linear)
     version = None if x.is_inference() else x._version
     entry = next(iter(_LAST), None)
     if entry is not None and entry[0]() is x and entry[1] == version:
         return entry[2]
+    _LAST.clear()  # the previous input's quantized copy goes before this one is made
     q = _quantize(x.reshape(-1, x.shape[-1]))
 
-    def drop(ref):  # x is gone: free its quantized copy now, not at the next linear
+    def drop(ref):  # x is gone: free its quantized copy now
         if _LAST and _LAST[0][0] is ref:
             _LAST.clear()
 
     _LAST[:] = [(weakref.ref(x, drop), version, q)]
     return q
+
+
+def _scope_input_cache(model: nn.Module) -> None:
+    """Clear the shared quantization before and after every forward of each module holding FP8 linears."""
+    for parent in {m for m in model.modules() if any(isinstance(c, BlockFP8Linear) for c in m.children())}:
+        if not getattr(parent, "_dflash_fp8_scoped", False):
+            parent.register_forward_pre_hook(lambda *_: _LAST.clear())
+            parent.register_forward_hook(lambda *_: _LAST.clear())
+            parent._dflash_fp8_scoped = True
 
 
 def emulated_matmul(xq, xs, wq, ws, block: list[int], group: int = ACT_GROUP) -> torch.Tensor:
@@ -147,19 +180,20 @@ def _check_fast_path(device: torch.device) -> bool:
                 err,
             )
             return False
-    _QUANTIZE[:] = [_compiled_quantize(device)]
     log.info("FP8 linears on %s: torch's block-scaled FP8 GEMM", device)
     return True
 
 
-def _compiled_quantize(device: torch.device):
-    """quantize_activations compiled, if it compiles and quantizes bit-equal to eager on `device` (rows of
-    unaligned counts and a zero row included); else the eager function."""
-    compiled = torch.compile(quantize_activations, dynamic=False)
+def _compiled_quantize(device: torch.device, dtype: torch.dtype):
+    """quantize_activations compiled, if it compiles and quantizes bit-equal to eager on `device` in `dtype` (row
+    counts and a width not multiples of 128, a zero row, six decades of magnitude); else the eager function."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # one graph per width
     gen = torch.Generator(device="cpu").manual_seed(1)
     try:
-        for m, k in ((333, 5120), (7, 1536)):
-            x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).to(device, torch.bfloat16)
+        compiled = torch.compile(quantize_activations, dynamic=False)
+        for m, k in ((333, 5120), (7, 1000)):
+            x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).to(device, dtype)
             x[0] = 0
             torch._dynamo.maybe_mark_dynamic(x, 0)
             (q, s), (q_ref, s_ref) = compiled(x), quantize_activations(x)
@@ -195,7 +229,7 @@ class BlockFP8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    @torch.compiler.disable  # (a compiled MLP around it: the GEMM and its once-per-GPU self-check run eager)
+    @torch.compiler.disable  # (a compiled layer around it: the GEMM and its once-per-GPU self-check run eager)
     def _product(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         fits = self.block == [128, 128] and self.in_features % 128 == 0 and self.out_features % 128 == 0
         if fits and fast_path_ok(xq.device):
@@ -251,6 +285,7 @@ def install(model: nn.Module, model_path: str, block: list[int]) -> int:
         n += 1
     if skipped:
         log.info("%s: %d FP8 tensors outside the text model (not loaded by transformers) skipped", model_path, skipped)
+    _scope_input_cache(model)
     return n
 
 
@@ -269,4 +304,5 @@ def quantize_model(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, BlockFP8Linear(wq, ws, list(block), bias))
         n += 1
+    _scope_input_cache(model)
     return n

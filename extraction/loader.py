@@ -169,6 +169,13 @@ def compile_modules(model, mode: str) -> int:
     forwards. Returns how many modules are now compiled. Idempotent: a module is compiled once whatever the
     number of calls."""
     assert mode in COMPILE_MODES, mode
+    from dflash_pipeline.extraction import fp8_linear
+
+    fp8_linear.compile_quantization(mode != "off")
+    if mode == "layers" and any(isinstance(m, fp8_linear.BlockFP8Linear) for m in model.modules()):
+        # an FP8 target's GEMMs run outside the graph: a whole layer would break at every linear
+        log.info("extract.compile: 'parts' for an FP8 target instead of 'layers'")
+        mode = "parts"
     if mode in ("norms", "parts"):
         want = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
         if mode == "parts":
@@ -179,7 +186,7 @@ def compile_modules(model, mode: str) -> int:
                 layer.mlp
                 for layer in decoder_layers(model)
                 if type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
-                and not any(type(m).__name__ == "BlockFP8Linear" for m in layer.mlp.modules())
+                and not any(isinstance(m, fp8_linear.BlockFP8Linear) for m in layer.mlp.modules())
             ]
     elif mode == "layers":
         want = list(decoder_layers(model))
