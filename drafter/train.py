@@ -260,20 +260,21 @@ def train(
                 tw = time.perf_counter()
                 try:
                     batch = next(batches)
+                    wait += time.perf_counter() - tw
+                    seed = (cfg.seed * 1_000_003 + step * cfg.grad_accum + micro) * 1009 + d.rank
+                    loss, st = _micro_step(
+                        job, batch, seed, d.world == 1 or micro == cfg.grad_accum - 1, 1 / cfg.grad_accum
+                    )
                 except RuntimeError as e:
                     if not (stop.flag and d.world == 1 and "DataLoader worker" in str(e)):
                         raise
                     # A worker forked in the instant the stop signal reached the process group (before it left the
-                    # group: _leave_stopping_to_the_trainer) died of it. That is the stop, not a failure: save the
-                    # last finished step, as at any step boundary (this step's partial gradients are dropped).
+                    # group: _leave_stopping_to_the_trainer) died of it, and torch's SIGCHLD handler raised that
+                    # wherever the main thread was: in next() or in the step's forward. That is the stop, not a
+                    # failure: save the last finished step, as at any step boundary (its partial gradients dropped).
                     log.warning("a DataLoader worker died of the stop signal: stopping at step %d", step)
                     interrupted = True
                     break
-                wait += time.perf_counter() - tw
-                seed = (cfg.seed * 1_000_003 + step * cfg.grad_accum + micro) * 1009 + d.rank
-                loss, st = _micro_step(
-                    job, batch, seed, d.world == 1 or micro == cfg.grad_accum - 1, 1 / cfg.grad_accum
-                )
                 sums[0] += loss / cfg.grad_accum
                 sums[1] += float(batch["lengths"].sum())
                 sums[2] += st["tokens"]
