@@ -12,12 +12,11 @@ values and scales, dequantized and multiplied in float32 (the same states up to 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 from torch import nn
 
-from dflash_pipeline.extraction.quantized import E4M3_MAX, FP8_MIN_CAPABILITY, dequantize_fp8, quantize_fp8_weight
+from dflash_pipeline.extraction.quantized import FP8_MIN_CAPABILITY, dequantize_fp8, quantize_fp8_weight, to_e4m3
 
 log = logging.getLogger(__name__)
 ACT_GROUP = 128  # activations: one scale per token and 128 channels of K, as the published format's kernels do
@@ -26,9 +25,9 @@ _DECLINED: set = set()  # (device, rows) the kernel refused once: logged once
 # (device index, dtype) -> the activation quantizer _compiled_quantize chose there; off with extract.compile=off
 _QUANTIZERS: dict = {}
 _COMPILE_QUANTIZE = [True]
-# The last input quantized, (weakref to it, its version, (xq, xs)): q/k/v, gate/up and a Gated DeltaNet's two input
-# projections read one tensor, quantized once. Cleared when that tensor goes and around every forward of a module
-# holding FP8 linears (an attention, an MLP: _scope_input_cache), so reuse never reaches past one block.
+# The last input quantized, (it, its version, (xq, xs)): q/k/v, gate/up and a Gated DeltaNet's two input projections
+# read one tensor, quantized once. Cleared around every forward of a module holding FP8 linears (an attention, an
+# MLP: _scope_input_cache), so reuse never reaches past one block, nor holds memory beyond it.
 _LAST: list = []
 
 
@@ -39,10 +38,8 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     padded = x.float()
     if groups * group != k:
         padded = torch.nn.functional.pad(padded, (0, groups * group - k))
-    padded = padded.view(m, groups, group)
-    scale = (padded.abs().amax(dim=-1) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, groups * group)[:, :k], scale
+    q, scale = to_e4m3(padded.view(m, groups, group), -1)
+    return q.view(m, groups * group)[:, :k], scale.squeeze(-1)
 
 
 def compile_quantization(enabled: bool) -> None:
@@ -58,7 +55,7 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fails (a new width) leaves eager for good on that device, with a warning."""
     if x.device.type != "cuda" or not _COMPILE_QUANTIZE[0] or torch.compiler.is_compiling():
         return quantize_activations(x)
-    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), x.dtype)
+    key = (_cuda_index(x.device), x.dtype)
     fn = _QUANTIZERS.get(key)
     if fn is None:
         fn = _QUANTIZERS[key] = _compiled_quantize(x.device, x.dtype)
@@ -84,17 +81,11 @@ def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # blocks we run modify no projection's input in place, and tests/integration/test_fp8_target.py holds the
     # shared forward bit-equal to quantizing at every linear)
     version = None if x.is_inference() else x._version
-    entry = next(iter(_LAST), None)
-    if entry is not None and entry[0]() is x and entry[1] == version:
-        return entry[2]
+    if _LAST and _LAST[0][0] is x and _LAST[0][1] == version:
+        return _LAST[0][2]
     _LAST.clear()  # the previous input's quantized copy goes before this one is made
     q = _quantize(x.reshape(-1, x.shape[-1]))
-
-    def drop(ref):  # x is gone: free its quantized copy now
-        if _LAST and _LAST[0][0] is ref:
-            _LAST.clear()
-
-    _LAST[:] = [(weakref.ref(x, drop), version, q)]
+    _LAST.append((x, version, q))
     return q
 
 
@@ -143,11 +134,15 @@ def _scaled_mm(xq, xs, wq, ws_padded, out_dtype: torch.dtype) -> torch.Tensor:
     return y[:m] if pad_m else y
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def fast_path_ok(device: torch.device) -> bool:
     """Whether torch's block-scaled FP8 GEMM runs on `device` and matches the emulation (checked once)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _KERNEL_OK:
         _KERNEL_OK[index] = _check_fast_path(torch.device("cuda", index))
     return _KERNEL_OK[index]

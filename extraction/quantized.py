@@ -164,6 +164,13 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[in
     return w * s
 
 
+def to_e4m3(t: torch.Tensor, dims: int | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's quantization of float32 `t` in groups over `dims`: (e4m3 of t / scale, scale = group absmax /
+    448, kept as size-1 dims). Weights (per block) and activations (per token and 128 channels) alike."""
+    scale = (t.abs().amax(dim=dims, keepdim=True) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
 def quantize_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise e4m3 of a 2-D weight: (weight fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with scale_inv =
     block absmax / 448, the published format (edge blocks cover what is left)."""
@@ -172,10 +179,8 @@ def quantize_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     rows, cols = -(-n // bn), -(-k // bk)
     padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.float()
-    t = padded.reshape(rows, bn, cols, bk)
-    scale = (t.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (t / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(rows * bn, cols * bk)[:n, :k].contiguous(), scale
+    q, scale = to_e4m3(padded.reshape(rows, bn, cols, bk), (1, 3))
+    return q.reshape(rows * bn, cols * bk)[:n, :k].contiguous(), scale.reshape(rows, cols)
 
 
 def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
