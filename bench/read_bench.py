@@ -24,7 +24,7 @@ import torch
 
 
 def build(root: Path, precision: str, tokens: int, k: int, h: int) -> tuple[str, str]:
-    from dflash_pipeline.planner import _write_synthetic
+    from dflash_pipeline.calibration import _write_synthetic
     from dflash_pipeline.storage.layout import FORMAT_VERSION
     from dflash_pipeline.storage.store import Store
 

@@ -1,4 +1,4 @@
-"""The planner's calibration (core/planner.py): measured once per key and reused by a rerun, its scratch store
+"""The planner's calibration (core/calibration.py): measured once per key and reused by a rerun, its scratch store
 under output_dir/plan and gone afterwards, also when the process measuring it was SIGKILLed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_pipeline import planner
+from dflash_pipeline import calibration, planner
 from dflash_pipeline.stages import LocalRunner, resolve_paths, run_pipeline
 from tests.helpers import config
 
@@ -23,7 +23,7 @@ def test_a_rerun_reuses_the_calibration_and_leaves_no_scratch_store(model_dir, t
         first = planner.estimate(cfg, report, prepared, "float32")
     assert not first.calibration_reused and first.calibration.startswith("the target's own hidden states")
     assert not any("created store version" in r.getMessage() for r in caplog.records)  # the scratch store's
-    plan = planner.plan_dir(cfg)
+    plan = calibration.plan_dir(cfg)
     assert [p.name for p in plan.iterdir()] == [next(plan.glob("calibration-*.json")).name]  # no scratch left
 
     again = planner.estimate(cfg, report, prepared, "float32")
@@ -38,7 +38,7 @@ def test_a_rerun_reuses_the_calibration_and_leaves_no_scratch_store(model_dir, t
 HOLD_SCRATCH = """
 import sys, time
 from pathlib import Path
-from dflash_pipeline.planner import scratch_dir
+from dflash_pipeline.calibration import scratch_dir
 with scratch_dir(Path(sys.argv[1])) as d:
     (d / "store").mkdir()
     print(d, flush=True)
@@ -52,12 +52,12 @@ def test_a_scratch_store_left_by_a_sigkilled_run_is_removed_by_the_next(tmp_path
     try:
         left = Path(holder.stdout.readline().strip())
         assert left.parent == root and left.name.startswith(f"scratch-{holder.pid}-")
-        with planner.scratch_dir(root):  # the holder is alive: its scratch stays
+        with calibration.scratch_dir(root):  # the holder is alive: its scratch stays
             assert left.is_dir()
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
         assert left.is_dir()  # SIGKILL runs no clean-up
-        with planner.scratch_dir(root) as mine:
+        with calibration.scratch_dir(root) as mine:
             assert not left.exists() and mine.is_dir()
         assert list(root.iterdir()) == []
     finally:
