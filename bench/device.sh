@@ -16,7 +16,7 @@
 # fp8 (issue 31: extraction from the target in bf16, then the same weights in block-wise FP8; FP8_SHAPES, FP8_TOKENS,
 # FP8_TARGETS, FP8_PROFILE=N profiles N batches of (a), FP8_ARGS more extract_bench.py options),
 # fp8-equality (issue 31: the FP8 states per layer against the emulation, transformers' dequantized forward, bf16),
-# realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
+# train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
@@ -134,6 +134,18 @@ for step in "$@"; do
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
       for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
+    # Issue 30 in one detached chain (bench/train3_chain.sh: flex tiles, the levers, 10 minutes, the 27B drafter);
+    # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
+    train3) mkdir -p /tmp/t3; rm -f /tmp/t3/done
+            setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
+            echo $! > /tmp/t3/pid; echo "started, pid $(cat /tmp/t3/pid)" ;;
+    train3-wait)
+      [[ -e /tmp/t3/pid ]] || { echo "train3-wait: no train3 chain on this machine (released between calls?)" >&2; exit 3; }
+      end=$(( $(date +%s) + ${T3_WAIT:-560} ))
+      while [[ ! -e /tmp/t3/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/t3/pid)" 2>/dev/null; do sleep 10; done
+      [[ -e /tmp/t3/done ]] && echo "chain done" || echo "chain still running (or ended early: see chain_log.txt)"
+      tar -czf "$OUT/t3.tar.gz" -C /tmp/t3 . && echo "results: t3.tar.gz"
+      for f in flex_log levers_log long_log 27b_log; do tail -6 "/tmp/t3/$f.txt" 2>/dev/null || true; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

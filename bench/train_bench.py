@@ -33,6 +33,7 @@ Data wait = time the training loop blocked on the next batch / wall time of the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -68,12 +69,15 @@ def step_flops(spec, c: float, q: float, p: float, s: float) -> float:
 def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
     from dflash_pipeline.extraction.procs import run_in_process
 
-    cfg, report, vocab = saved_target(
-        args.shape, device, dtype_name, work, {"extract.devices": device, "extract.store_precision": args.precision}
-    )
-    ids = synthetic_samples(args.tokens, vocab, seed=1)
-    _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
-    r = run_in_process(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
+    overrides = {"extract.devices": device, "extract.store_precision": args.precision}
+    if args.shape in IN_MEMORY or args.in_memory_target:
+        cfg, report, vocab, r, version = _in_memory_store(args, work, device, dtype_name, overrides)
+        ids = synthetic_samples(args.tokens, vocab, seed=1)
+    else:
+        cfg, report, vocab = saved_target(args.shape, device, dtype_name, work, overrides)
+        ids = synthetic_samples(args.tokens, vocab, seed=1)
+        _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
+        r = run_in_process(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
     log(f"store: {r.tokens} tokens at {r.tokens_per_s:,.0f} tokens/s (version {version})")
     publish_store(work / "store", version, cfg, *ids)
     meta = {
@@ -89,14 +93,77 @@ def make_store(args, work: Path, device: str, dtype_name: str) -> dict:
     return meta
 
 
+IN_MEMORY = {"27b"}  # a 54 GB checkpoint would not fit the GPU host's disk beside the store
+
+
+def _in_memory_store(args, work: Path, device: str, dtype_name: str, overrides: dict):
+    """The 27B shape: the random-weight target stays on the GPU (the extraction worker runs in this process with
+    the loader replaced, as extract_bench does), and only what training reads of it goes to disk: config.json and
+    a safetensors file with the embedding and lm_head. The states are the pipeline worker's own extraction."""
+    from common import bench_probe, build_model, write_manifest_checkpoint
+    from safetensors.torch import save_file
+
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.extraction import loader as loader_mod
+    from dflash_pipeline.extraction.extract import run_worker
+
+    t = time.monotonic()
+    model = build_model(args.shape, device, getattr(torch, dtype_name))
+    write_manifest_checkpoint(model, work / "model")  # the probe reads every tensor's header
+    cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(work / "model"),
+                             "target.dtype": dtype_name, **overrides})  # fmt: skip
+    report = bench_probe(cfg)
+    vocab = model.config.vocab_size
+    ids = synthetic_samples(args.tokens, vocab, seed=1)
+    _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
+    load = loader_mod.load_planned
+    loader_mod.load_planned = lambda *a_, _model=model, **k_: _model
+    try:
+        r = run_worker(worker_spec(work / "store", version, units, report, cfg, dtype_name, device))
+    finally:
+        loader_mod.load_planned = load
+    sd = model.state_dict()
+    keep = [k for k in sd if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+    save_file({k: sd[k].contiguous().cpu() for k in keep}, str(work / "model" / "model.safetensors"))
+    del model, sd
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"{args.shape}: target on the GPU, store extracted, head saved ({keep}) in {time.monotonic() - t:.0f} s")
+    return cfg, report, vocab, r, version
+
+
 def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def bench_settings(overrides: dict) -> tuple[dict, contextlib.AbstractContextManager]:
+    """A variant's bench-only keys (not TrainConfig fields), applied for its run: `flex=PATH` the FlexAttention
+    tiles of bench/flex_tune.py's flex_best.json; `ce=eager` the loss's per-chunk softmax uncompiled (the code
+    before issue 30)."""
+    from dflash_pipeline.drafter import flex, head_loss
+    from dflash_pipeline.drafter.model import eager_pointwise
+
+    rest = {k: v for k, v in overrides.items() if k not in ("flex", "ce")}
+    stack = contextlib.ExitStack()
+    if "flex" in overrides:
+        best = json.loads(Path(overrides["flex"]).read_text())
+        old = flex.MASK_BLOCK, flex.KERNEL_OPTIONS
+        flex.MASK_BLOCK, flex.KERNEL_OPTIONS = tuple(best["mask_block"]), best["kernel_options"]
+        stack.callback(lambda: setattr(flex, "MASK_BLOCK", old[0]) or setattr(flex, "KERNEL_OPTIONS", old[1]))
+    if overrides.get("ce") == "eager":
+        real = head_loss.compile_chunk
+        head_loss.compile_chunk = lambda enabled: real(False)
+        stack.callback(lambda: setattr(head_loss, "compile_chunk", real))
+    stack.callback(eager_pointwise)  # the next variant starts from eager again (its train() compiles if asked)
+    return rest, stack
 
 
 def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device: str, peak: float) -> dict:
     from dflash_pipeline.drafter.config import TrainConfig
     from dflash_pipeline.drafter.train import train
     from dflash_pipeline.extraction.probe import ProbeReport
+
+    overrides, settings = bench_settings(overrides)
 
     report = ProbeReport.from_json(meta["report"])
     small = args.cpu_smoke
@@ -139,7 +206,8 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
     timer = threading.Timer(args.minutes * 60, lambda: os.kill(os.getpid(), signal.SIGTERM))
     timer.start()
     try:
-        r = train(tc, str(work / "store"), report, out, version=meta["version"], progress=progress)
+        with settings:
+            r = train(tc, str(work / "store"), report, out, version=meta["version"], progress=progress)
     finally:
         timer.cancel()
     hist = r.history
@@ -173,6 +241,7 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
         "whole_run_tokens_per_s": r.tokens_per_s,
         "elapsed_s": r.elapsed_s,
         "interrupted": r.interrupted,
+        "loss_by_step": [round(h["loss"], 5) for h in hist],  # the overlay of variants (same seed, same data)
     }
     if prof is not None:
         if "prof_end" not in marks:
@@ -213,7 +282,8 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
             for item in part.split(","):
                 k, v = item.split("=", 1)
                 kv[k.strip()] = _value(v.strip())
-        out.append((part.replace(",", "+").replace("=", "-"), kv))
+        name = "+".join(f"{k}-{Path(str(v)).stem if '/' in str(v) else v}" for k, v in kv.items()) or "defaults"
+        out.append((name, kv))
     return out
 
 
@@ -230,6 +300,7 @@ def main() -> int:
     p.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many steps after warm-up")
     p.add_argument("--reuse", action="store_true", help="reuse the target and store in --work from an earlier run")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU: checks the bench, measures nothing")
+    p.add_argument("--in-memory-target", action="store_true", help="as the 27B shape: the target not saved (smoke)")
     p.add_argument("--work", default="/tmp/dflash-train-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()

@@ -76,6 +76,13 @@ class TrainConfig(Section):
         description="torch.compile of the draft layers' element-wise parts (norms, rotary, MLP gate), with dynamic "
         "shapes: 'auto' = pointwise on CUDA, off on CPU (compiling costs more than it saves in short CPU runs).",
     )
+    precision: Literal["auto", "fp32", "autocast", "bf16"] = Field(
+        "auto",
+        description="How the drafter computes: 'fp32' = float32 throughout; 'autocast' = float32 weights under "
+        "torch.autocast(bfloat16) (casts every weight and the norms' float32 outputs in every forward); 'bf16' = "
+        "float32 master weights in the optimizer and checkpoints, a bfloat16 copy of them that the forward and "
+        "backward run on, refreshed once per optimizer step; 'auto' = bf16 on CUDA, fp32 on CPU.",
+    )
     output_dir: str | None = Field(
         None,
         description="Checkpoints, export, plot and metrics; None = given by "

@@ -12,6 +12,12 @@ import functools
 
 import torch
 
+# The tiles: the BlockMask's block size (query, key) and the kernels' options (torch's FlexKernelOptions). torch's
+# defaults (128 x 128, autotuned kernels) are sized for long causal masks; a draft block is 16 queries that see a
+# context prefix and their own block. bench/flex_tune.py measures alternatives on the GPU (bench/RESULTS.md).
+MASK_BLOCK: tuple[int, int] = (128, 128)
+KERNEL_OPTIONS: dict = {}
+
 
 def available() -> bool:
     try:
@@ -30,7 +36,7 @@ def _compiled():
 
 
 def flex_attention(q, k, v, block_mask, enable_gqa: bool = False):
-    return _compiled()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return _compiled()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=KERNEL_OPTIONS or None)
 
 
 def block_sparse_mask(
@@ -55,4 +61,4 @@ def block_sparse_mask(
             blk_ok = blk_ok & (k_off <= off) & (off - k_off < window)
         return ctx_ok | blk_ok
 
-    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device)
+    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)

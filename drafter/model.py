@@ -98,7 +98,7 @@ class _Pointwise:
     """The element-wise parts of a layer (norms, rotary, MLP gate), eager by default. `compile_pointwise()` swaps
     in torch.compile'd versions with dynamic shapes: each fuses into one or two kernels, and, unlike a compiled
     layer (whose flex-attention BlockMask carries the context length as a constant), never recompiles when a
-    batch's length changes. Training on CUDA does this (train.compile)."""
+    batch's length changes. Training on CUDA does this (train.compile), with the loss's softmax (head_loss)."""
 
     def __init__(self):
         self.rms_norm, self.apply_rope, self.silu_gate = rms_norm, apply_rope, silu_gate
@@ -108,6 +108,10 @@ POINTWISE = _Pointwise()
 
 
 def compile_pointwise() -> None:
+    """Also the loss's per-chunk softmax (drafter.head_loss.compile_chunk)."""
+    from dflash_pipeline.drafter.head_loss import compile_chunk
+
+    compile_chunk(True)
     if POINTWISE.rms_norm is rms_norm:
         POINTWISE.rms_norm = torch.compile(rms_norm, dynamic=True)
         POINTWISE.apply_rope = torch.compile(apply_rope, dynamic=True)
@@ -115,6 +119,9 @@ def compile_pointwise() -> None:
 
 
 def eager_pointwise() -> None:
+    from dflash_pipeline.drafter.head_loss import compile_chunk
+
+    compile_chunk(False)
     POINTWISE.__init__()
 
 

@@ -35,6 +35,8 @@ from dflash_pipeline.drafter.checkpoint import (
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.precision import ComputeCopy, autocast, compute_dtype
+from dflash_pipeline.drafter.precision import resolve as resolve_precision
 from dflash_pipeline.drafter.runtime import StopAtStepBoundary, lr_lambda, micro_batches, setup, total_steps
 from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
 from dflash_pipeline.errors import ConfigError
@@ -77,11 +79,16 @@ class _Job:
     ds: object
     spec: object
     head: torch.nn.Module
-    model: DFlashDrafter
-    ddp: torch.nn.Module
+    model: DFlashDrafter  # the float32 masters: optimizer, checkpoints, export
+    work: ComputeCopy  # what forward and backward run on (train.precision)
+    ddp: torch.nn.Module  # work.module, wrapped in DDP with several processes
     dev: torch.device
-    compute: torch.dtype
+    precision: str
     flex: bool
+
+    @property
+    def compute(self) -> torch.dtype:
+        return compute_dtype(self.precision)
 
 
 def _build(
@@ -124,14 +131,15 @@ def _build(
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and dev.type == "cuda" and flex.available())
     if use_flex and dev.type != "cuda":
         raise ConfigError("train.attention='flex' needs a CUDA device; use 'sdpa' or 'auto' on CPU")
-    compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    head = load_target_head(report, dev, compute, need_norm=cfg.distill)
+    precision = resolve_precision(cfg.precision, dev)
+    head = load_target_head(report, dev, compute_dtype(precision), need_norm=cfg.distill)
     model = DFlashDrafter(spec).to(dev)
+    work = ComputeCopy(model, precision)
     if cfg.compile == "pointwise" or (cfg.compile == "auto" and dev.type == "cuda"):
         from dflash_pipeline.drafter.model import compile_pointwise
 
         compile_pointwise()
-    return _Job(cfg, ds, spec, head, model, model, dev, compute, use_flex)
+    return _Job(cfg, ds, spec, head, model, work, work.module, dev, precision, use_flex)
 
 
 def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> tuple[torch.Tensor, dict]:
@@ -149,9 +157,8 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
         b["input_ids"], b["loss_mask"], anchors, keep, job.spec.block_size, job.spec.mask_token_id, cfg.gamma
     )
     ctx_pos = torch.arange(t, device=dev).expand(len(anchors), t)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
     with contextlib.nullcontext() if sync else job.ddp.no_sync():  # forward and backward inside
-        with autocast:
+        with autocast(job.precision, dev):
             out = job.ddp(
                 states(b, "hidden", job.ds.precision, job.ds.logical_torch, job.compute),
                 job.head.embed(blk["block_ids"]),
@@ -221,6 +228,7 @@ def train(
         state = load_checkpoint(ck, model, opt, sched, sj)
         start, history = int(state["step"]), list(state.get("history", []))
         log.info("resuming from %s (step %d of %d)", ck, start, total)
+    job.work.refresh()
     provenance = {"train_config": cfg.model_dump(mode="json"), **data}
     if start >= total and (done := finished_run(out, start, provenance)) is not None:
         log.info("training had finished (step %d of %d, %s): reused, nothing trained", start, total, out / "export")
@@ -231,7 +239,9 @@ def train(
     if d.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        job.ddp = DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        job.ddp = DistributedDataParallel(
+            job.work.module, device_ids=[d.device.index] if d.device.type == "cuda" else None
+        )
     batches = micro_batches(job.ds, cfg, d, start * cfg.grad_accum, d.device)
 
     def save(step: int) -> None:
@@ -253,6 +263,7 @@ def train(
     t0 = time.perf_counter()
     step, interrupted = start, False
     model.train()
+    job.work.module.train()
     with StopAtStepBoundary() as stop:
         while step < total and not interrupted:
             sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, tokens, supervised, correct, stop
@@ -284,11 +295,13 @@ def train(
             if interrupted:
                 save(step)
                 break
+            job.work.fold_grads()
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            job.work.refresh()
             step += 1
             sums[4] = float(stop.flag)
             if d.world > 1:  # one all-reduce: losses, counts and the stop flag agree on every rank

@@ -209,6 +209,27 @@ def test_acceptance_trained_beats_untrained(work, reference):
         assert speculative_generate(target, m, list(ids), 24, {tok.eos_token_id})[0] == want
 
 
+def test_bf16_training_follows_autocast_and_resumes_bit_identical(work, tmp_path):
+    """train.precision=bf16 (the CUDA default: a bf16 copy of float32 masters) on CPU: its losses follow the
+    autocast run's within bf16 rounding, and a run resumed from its step-6 checkpoint replays steps 7-12 exactly
+    (the copy is refreshed from the loaded masters)."""
+    import shutil
+
+    cfg = TrainConfig(**{**TRAIN, "max_steps": 12, "checkpoint_every": 6, "precision": "bf16"})
+    full = train(cfg, work["store"], work["report"], tmp_path / "bf16")
+    ac = train(cfg.model_copy(update={"precision": "autocast"}), work["store"], work["report"], tmp_path / "ac")
+    bf, au = (torch.tensor([h["loss"] for h in r.history]) for r in (full, ac))
+    assert bf[-1] < bf[0]
+    torch.testing.assert_close(bf, au, rtol=2e-2, atol=0)
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "bf16" / "checkpoints" / "step-00000006", resumed_dir / "checkpoints" / "step-00000006")
+    resumed = train(cfg, work["store"], work["report"], resumed_dir)
+    assert resumed.start_step == 6 and [h["step"] for h in resumed.history] == list(range(1, 13))
+    assert [h["loss"] for h in resumed.history[6:]] == [h["loss"] for h in full.history[6:]]
+    a, b = load_drafter(resumed.export_dir).state_dict(), load_drafter(full.export_dir).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_distillation_from_stored_last_hidden(work):
     cfg = TrainConfig(**{**TRAIN, "max_steps": 6, "distill": True})
     res = train(cfg, work["store"], work["report"], work["root"] / "distill")

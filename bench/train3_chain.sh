@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 30 on one GPU, detached (bench/device.sh train3 starts it, train3-wait waits): FlexAttention tiles
+# (flex_tune.py), the training levers one by one (train_bench.py, 8B shape), ten minutes with every lever after
+# warm-up, then the 27B-shape drafter. Results under /tmp/t3; /tmp/t3/done at the end. Run from bench/.
+set -x
+T=/tmp/t3
+echo $$ > $T/pid
+python3 flex_tune.py --shapes 8b --out $T/flex > $T/flex_log.txt 2>&1
+F=$T/flex/flex_best.json
+flex=""; [[ -e $F ]] && flex="flex=$F"
+python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.25}" --warmup-minutes 0.5 --profile-steps 4 \
+  --variants "precision=autocast,ce=eager;precision=bf16,ce=eager;defaults${flex:+;$flex}" --out $T/levers \
+  > $T/levers_log.txt 2>&1
+python3 train_bench.py --reuse --minutes "${T3_LONG_MIN:-10.75}" --warmup-minutes 0.5 --profile-steps 4 \
+  --variants "$flex" --out $T/long > $T/long_log.txt 2>&1
+python3 train_bench.py --shape 27b --tokens 300000 --work /tmp/dflash-train-bench-27b --minutes 1.25 \
+  --warmup-minutes 0.5 --variants "${flex:-defaults};anchors_per_sample=1024${flex:+,$flex}" --out $T/27b \
+  > $T/27b_log.txt 2>&1
+touch $T/done
