@@ -23,16 +23,18 @@
 set -euo pipefail
 WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
         pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 fla-core==0.6.0)
-# bench/realtext/pipeline.py runs the prepare stage on the GPU host: `datasets` and what it needs beyond the image.
-REALTEXT_WHEELS=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0)
+# `datasets` and what it needs beyond the image: the benches publish their stores with a prepared dataset beside
+# them (common.publish_store), and bench/realtext/pipeline.py runs the prepare stage on the GPU host.
+DATASETS_WHEELS=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0)
+WHEELS+=("${DATASETS_WHEELS[@]}")
 WHEEL_DIR=${WHEEL_DIR:-.whl}
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 
 if [[ ${1:-} == wheels ]]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
-  # realtext: no fla-core (the real-text runs use transformers' own Gated DeltaNet: no Triton warm-up), plus datasets
-  [[ ${2:-} == realtext ]] && WHEELS=("${WHEELS[@]/fla-core==*/}" "${REALTEXT_WHEELS[@]}")
+  # realtext: no fla-core (the real-text runs use transformers' own Gated DeltaNet: no Triton warm-up)
+  [[ ${2:-} == realtext ]] && WHEELS=("${WHEELS[@]/fla-core==*/}")
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$WHEEL_DIR" ${WHEELS[@]}

@@ -5,15 +5,18 @@
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
-python3 flex_tune.py --shapes 8b --out $T/flex > $T/flex_log.txt 2>&1
-F=$T/flex/flex_best.json
+# T3_FLEX=PATH: a flex_best.json measured before (the tuning is skipped); T3_LEVERS=0 / T3_LONG=0: no levers / no
+# ten-minute run; T3_27B_TOKENS, T3_27B_VARIANTS: the 27B-shape store and variants
+F=${T3_FLEX:-$T/flex/flex_best.json}
+[[ -n ${T3_FLEX:-} ]] || python3 flex_tune.py --shapes 8b --out $T/flex > $T/flex_log.txt 2>&1
 flex=""; [[ -e $F ]] && flex="flex=$F"
-python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.25}" --warmup-minutes 0.5 --profile-steps 4 \
+[[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.25}" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "precision=autocast,ce=eager;precision=bf16,ce=eager;defaults${flex:+;$flex}" --out $T/levers \
   > $T/levers_log.txt 2>&1
-python3 train_bench.py --reuse --minutes "${T3_LONG_MIN:-10.75}" --warmup-minutes 0.5 --profile-steps 4 \
+[[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "${T3_LONG_MIN:-10.75}" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "$flex" --out $T/long > $T/long_log.txt 2>&1
-python3 train_bench.py --shape 27b --tokens 300000 --work /tmp/dflash-train-bench-27b --minutes 1.25 \
-  --warmup-minutes 0.5 --variants "${flex:-defaults};anchors_per_sample=1024${flex:+,$flex}" --out $T/27b \
+python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-300000}" --work /tmp/dflash-train-bench-27b --minutes "${T3_LEVER_MIN:-1.25}" \
+  --warmup-minutes 0.5 --profile-steps 4 --variants "${T3_27B_VARIANTS:-${flex:-defaults};anchors_per_sample=1024${flex:+,$flex}}" \
+  --out $T/27b \
   > $T/27b_log.txt 2>&1
 touch $T/done
