@@ -4,6 +4,7 @@ serve --database`, one representative deployment run, and the load of a team (20
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -204,6 +205,38 @@ def _started(lp, run_id, timeout: float):
     return api(lp, go)
 
 
+def _awaiting_slot(lp, run_id, timeout: float) -> bool:
+    """Wait until a worker has tried the run and the deployment's limit made it wait (AwaitingConcurrencySlot)."""
+
+    async def go(client):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (await client.read_flow_run(run_id)).state.name == "AwaitingConcurrencySlot":
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
+    return api(lp, go)
+
+
+def _end(lp, run_ids) -> None:
+    """A failed test's runs of the shared server's `full` deployment: their processes killed and the runs set
+    Crashed (which frees the slot), so that the next test does not wait behind a run training forever."""
+    from prefect.states import Crashed
+
+    async def go(client):
+        for run_id in filter(None, run_ids):
+            fr = await client.read_flow_run(run_id)
+            if fr.state.is_final():
+                continue
+            if fr.infrastructure_pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.killpg(int(str(fr.infrastructure_pid).split(":")[-1]), signal.SIGKILL)
+            await client.set_flow_run_state(run_id, Crashed(message="ended by the test that started it"), force=True)
+
+    api(lp, go)
+
+
 def _serve_worker(lp) -> int:
     (pid,) = [p for p, c in descendants(lp.serve_proc.pid).items() if "worker start" in c]
     return pid
@@ -222,14 +255,17 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
 
     lp = pg_server
     killed = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})
-    nxt = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "b")})
-    fr = _training(lp, killed, stage="prepare")  # mid-run: the flow runs its stages (the slow ones: load tests)
-    flow_proc = int(fr.infrastructure_pid)
-    run_procs = {flow_proc, *descendants(flow_proc)}
-    worker = _serve_worker(lp)
-    t0, wall0 = time.monotonic(), time.time()
-    os.kill(worker, signal.SIGKILL)
+    run_procs, nxt = set(), None
     try:
+        fr = _training(lp, killed, stage="prepare")  # mid-run: the flow runs its stages (the slow ones: load tests)
+        flow_proc = int(fr.infrastructure_pid)
+        run_procs = {flow_proc, *descendants(flow_proc)}
+        # submitted once the first holds the slot (submitted together, either may take it first)
+        nxt = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "b")})
+        assert _awaiting_slot(lp, nxt, timeout=60), "the second run did not wait for the deployment's slot"
+        worker = _serve_worker(lp)
+        t0, wall0 = time.monotonic(), time.time()
+        os.kill(worker, signal.SIGKILL)
         left = wait_gone(run_procs, timeout=30)
         gone_s = time.monotonic() - t0
         assert not left, f"the killed worker's run is still running: {left}"
@@ -253,6 +289,7 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
     finally:
         for p in alive(run_procs):
             os.kill(p, signal.SIGKILL)
+        _end(lp, [killed, nxt])
 
 
 @pytest.mark.load
@@ -351,3 +388,4 @@ def test_a_run_without_heartbeats_is_crashed_by_the_zombie_automation(pg_server,
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _end(lp, [run_id])
