@@ -6,12 +6,13 @@ set -x
 T=/tmp/t3
 echo $$ > $T/pid
 # T3_FLEX=PATH: a flex_best.json measured before (the tuning is skipped); T3_LEVERS=0 / T3_LONG=0: no levers / no
-# ten-minute run; T3_27B_TOKENS, T3_27B_VARIANTS: the 27B-shape store and variants
+# ten-minute run; T3_LEVER_VARIANTS: the levers' variants (e.g. "defaults;pack=true,batch_size=2"); T3_27B_TOKENS,
+# T3_27B_VARIANTS: the 27B-shape store and variants
 F=${T3_FLEX:-$T/flex/flex_best.json}
 [[ -n ${T3_FLEX:-} ]] || python3 flex_tune.py --shapes 8b --out $T/flex > $T/flex_log.txt 2>&1
 flex=""; [[ -e $F ]] && flex="flex=$F"
 [[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.25}" --warmup-minutes 0.5 --profile-steps 4 \
-  --variants "precision=autocast,ce=eager;precision=bf16,ce=eager;defaults${flex:+;$flex}" --out $T/levers \
+  --variants "${T3_LEVER_VARIANTS:-precision=autocast,ce=eager;precision=bf16,ce=eager;defaults${flex:+;$flex}}" --out $T/levers \
   > $T/levers_log.txt 2>&1
 [[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "${T3_LONG_MIN:-10.75}" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "$flex" --out $T/long > $T/long_log.txt 2>&1

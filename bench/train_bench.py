@@ -10,7 +10,7 @@
    default extraction config (zstd, 128 MiB shards) and --precision.
 3. Each variant trains `drafter.train.train` (the pipeline's own training: store reader with DataLoader workers,
    anchors, flex attention, the chunked lm_head loss) with the DFlash defaults: 5 draft layers, block 16, 512
-   anchors, batch 1, AdamW, bf16 autocast with fp32 master weights. It runs for --minutes, then gets SIGTERM
+   anchors, batch 1, AdamW, a bf16 copy of fp32 master weights (train.precision). It runs for --minutes, then SIGTERM
    (the user's stop: a checkpoint at the next step boundary, into /dev/shm so the disk write stays out of the
    figures' window, which ends at the last step anyway).
 4. Steady state = the steps after the first --warmup-minutes (compilation, cache warm-up): from train's per-step
@@ -227,7 +227,7 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
         "window_steps": end["step"] - start["step"],
         "window_s": dt,
         "tokens_per_s": delta("tokens") / dt,
-        "samples_per_s": (end["step"] - start["step"]) / dt,
+        "samples_per_s": (end["step"] - start["step"]) * tc.batch_size * tc.grad_accum / dt,
         "tflops": fl / dt / 1e12,
         "mfu": fl / dt / 1e12 / peak,
         "mfu_datasheet": fl / dt / 1e12 / DATASHEET_TFLOPS,

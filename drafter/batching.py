@@ -4,6 +4,11 @@ An anchor `a` is valid when the token after it is supervised (loss_mask[a+1]): t
 data tokens. This includes the token just before an assistant span (the generation prompt's last
 token), because at serving time that is exactly the anchor of the first draft. Padding is on the right,
 so a block's context (positions < anchor) never contains padding.
+
+Packed (train.pack): the micro-batch's samples lie one after another in a single row, `starts` marks where each
+begins, positions restart at 0 in each, and a block sees only its own sample's context (the segment from its
+sample's start to its anchor) and predicts only inside its sample: the anchors, labels and loss of the padded
+batch, with no padding computed.
 """
 
 from __future__ import annotations
@@ -45,6 +50,33 @@ def collate(items: list[dict]) -> dict:
     return out
 
 
+def pack(items: list[dict]) -> dict:
+    """The samples of `items` one after another in one row: input_ids, loss_mask [1, sum T], hidden [1, sum T, K*H]
+    (and the optional fields), 'positions' [1, sum T] (each sample's own, from 0), 'starts' [S] (each sample's first
+    position in the row) and 'lengths' [S]."""
+    lengths = torch.tensor([len(it["input_ids"]) for it in items])
+    out = {"lengths": lengths, "starts": torch.cumsum(lengths, 0) - lengths}
+    out["positions"] = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    out["input_ids"] = torch.cat([it["input_ids"] for it in items])[None].long()
+    out["loss_mask"] = torch.cat([it["loss_mask"] for it in items])[None].bool()
+    out["hidden"] = torch.cat([it["hidden"].reshape(len(it["input_ids"]), -1) for it in items])[None]
+    for name in ("last_hidden", "hidden_scale", "last_hidden_scale"):
+        if all(name in it for it in items) and (name != "last_hidden_scale" or "last_hidden" in out):
+            out[name] = torch.cat([it[name] for it in items])[None]
+    return out
+
+
+def segment_bounds(anchors: torch.Tensor, starts: torch.Tensor | None, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, end) [B, N]: the row positions where each anchor's sample begins and one past where it ends; a padded
+    batch (`starts` None) has one sample per row: (0, t)."""
+    if starts is None:
+        return torch.zeros_like(anchors), torch.full_like(anchors, t)
+    starts = starts.to(anchors.device)
+    seg = torch.searchsorted(starts, anchors, right=True) - 1
+    ends = torch.cat([starts[1:], starts.new_tensor([t])])
+    return starts[seg], ends[seg]
+
+
 def states(batch: dict, name: str, precision: str, logical: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """batch[name] ('hidden' [B, T, K*H] or 'last_hidden' [B, T, H]) in `dtype`. A compact store's stored values
     are dequantized here, where the batch is (on the GPU in training), with batch[name + '_scale'], into the
@@ -62,12 +94,19 @@ def states(batch: dict, name: str, precision: str, logical: torch.dtype, dtype: 
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, max_anchors: int, gen: torch.Generator
+    loss_mask: torch.Tensor, max_anchors: int, gen: torch.Generator, starts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """anchors [B, N] (sorted per row) and keep [B, N]; N = min(max_anchors, most valid anchors in a row),
-    at least 1 (an all-dropped row keeps the graph identical across DDP ranks; its loss weight is 0)."""
+    at least 1 (an all-dropped row keeps the graph identical across DDP ranks; its loss weight is 0).
+
+    A packed row (`starts`: its samples' first positions) gets, sample by sample, exactly the anchors that sample
+    gets as a row of the padded batch (the same draws from `gen`), one after another: N = their total."""
     valid = torch.zeros_like(loss_mask)
     valid[:, :-1] = loss_mask[:, 1:]
+    if starts is not None:
+        assert loss_mask.shape[0] == 1, "a packed micro-batch is one row"
+        valid[0, starts[1:] - 1] = False  # a sample's last token: the next token is another sample's
+        return _packed_anchors(valid[0].cpu(), max_anchors, gen, starts.cpu(), loss_mask.device)
     rows = [v.nonzero().flatten() for v in valid.cpu()]
     n = max(1, min(max_anchors, max(len(r) for r in rows)))
     anchors = torch.zeros(len(rows), n, dtype=torch.long)
@@ -76,6 +115,19 @@ def sample_anchors(
         pick = r[torch.randperm(len(r), generator=gen)[:n]].sort().values
         anchors[i, : len(pick)], keep[i, : len(pick)] = pick, True
     return anchors.to(loss_mask.device), keep.to(loss_mask.device)
+
+
+def _packed_anchors(valid: torch.Tensor, max_anchors: int, gen: torch.Generator, starts: torch.Tensor, device):
+    bounds = [*starts.tolist(), len(valid)]
+    picks = []
+    for first, end in zip(bounds[:-1], bounds[1:]):
+        r = first + valid[first:end].nonzero().flatten()
+        picks.append(r[torch.randperm(len(r), generator=gen)[:max_anchors]].sort().values)
+    anchors = torch.cat(picks)
+    keep = torch.ones(len(anchors), dtype=torch.bool)
+    if len(anchors) == 0:  # nothing supervised: one dropped block (see above)
+        anchors, keep = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
+    return anchors[None].to(device), keep[None].to(device)
 
 
 def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
@@ -92,12 +144,16 @@ def block_inputs(
     block_size: int,
     mask_id: int,
     gamma: float | None,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
-    """block_ids / block_pos [B, N*bs]; labels, label_pos, weights [B, N, bs] (label k = token a+k)."""
+    """block_ids / block_pos [B, N*bs]; labels, label_pos, weights [B, N, bs] (label k = token a+k).
+    `bounds` (segment_bounds; None = one sample per row): block_pos counts from the anchor's sample's start, and a
+    block predicts nothing past its sample's end."""
     b, t = input_ids.shape
+    first, end = bounds if bounds is not None else segment_bounds(anchors, None, t)
     off = torch.arange(block_size, device=input_ids.device)
     label_pos = anchors[:, :, None] + off  # [B, N, bs]
-    inside = label_pos < t
+    inside = label_pos < end[:, :, None]
     safe = label_pos.clamp(max=t - 1)
     labels = torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, safe)
     supervised = torch.gather(loss_mask[:, None, :].expand(-1, anchors.shape[1], -1), 2, safe)
@@ -107,7 +163,7 @@ def block_inputs(
     block_ids[:, :, 0] = torch.where(keep, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_id))
     return {
         "block_ids": block_ids.reshape(b, -1),
-        "block_pos": label_pos.reshape(b, -1),
+        "block_pos": (label_pos - first[:, :, None]).reshape(b, -1),
         "labels": labels,
         "label_pos": safe,
         "weights": weights,

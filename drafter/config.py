@@ -43,6 +43,13 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Cap on optimizer steps (overrides epochs if lower).")
     batch_size: int = Field(1, ge=1, description="Sequences per micro-batch per process.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    pack: bool = Field(
+        False,
+        description="Lay a micro-batch's batch_size samples one after another in one sequence instead of padding "
+        "them to the longest: a block attends to its own sample only, positions restart in each sample, and the "
+        "anchors and loss are the padded batch's; no padding is computed and the GEMMs grow with batch_size. For "
+        "flex attention (CUDA), which skips the other samples' tiles; sdpa's dense mask makes it slower.",
+    )
     anchors_per_sample: int = Field(
         512,
         ge=1,

@@ -40,12 +40,29 @@ def flex_attention(q, k, v, block_mask, enable_gqa: bool = False):
 
 
 def block_sparse_mask(
-    anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int, window: int | None = None
+    anchors: torch.Tensor,
+    keep: torch.Tensor | None,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
+    first: torch.Tensor | None = None,
 ):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    b, n = anchors.shape
-    q_len = n * block_size
+    b, q_len = anchors.shape[0], anchors.shape[1] * block_size
+    mask_mod = visibility(anchors, keep, ctx_len, block_size, window, first)
+    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)
+
+
+def visibility(
+    anchors: torch.Tensor,
+    keep: torch.Tensor | None,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
+    first: torch.Tensor | None = None,
+):
+    """The mask_mod (batch, head, query, key) -> visible of `drafter.model.block_mask`'s rules."""
     keep_t = keep if keep is not None else torch.ones_like(anchors, dtype=torch.bool)
 
     def mask_mod(bi, _h, q_idx, kv_idx):
@@ -53,6 +70,8 @@ def block_sparse_mask(
         a = anchors[bi, blk]
         is_ctx = kv_idx < ctx_len
         ctx_ok = is_ctx & (kv_idx < a) & keep_t[bi, blk]
+        if first is not None:  # a packed row: from the anchor's sample's start
+            ctx_ok = ctx_ok & (kv_idx >= first[bi, blk])
         k_rel = kv_idx - ctx_len
         k_blk, k_off = k_rel // block_size, k_rel % block_size
         blk_ok = (~is_ctx) & (k_blk == blk)
@@ -61,4 +80,4 @@ def block_sparse_mask(
             blk_ok = blk_ok & (k_off <= off) & (off - k_off < window)
         return ctx_ok | blk_ok
 
-    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)
+    return mask_mod

@@ -206,28 +206,47 @@ class DFlashDrafter(nn.Module):
             h = layer(h, ctx, q_rope, kv_rope, masks[kind])
         return self.norm(h)
 
-    def block_masks(self, anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, flex: bool = False) -> dict:
-        """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training)."""
+    def block_masks(
+        self,
+        anchors: torch.Tensor,
+        keep: torch.Tensor | None,
+        ctx_len: int,
+        flex: bool = False,
+        first: torch.Tensor | None = None,
+    ) -> dict:
+        """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training); `first` [B, N]: where
+        each anchor's sample begins in a packed row (batching.segment_bounds; None = at 0)."""
         if flex:
             from dflash_pipeline.drafter.flex import block_sparse_mask as make
         else:
             make = block_mask
         return {
             kind: make(
-                anchors, keep, ctx_len, self.spec.block_size, self.spec.sliding_window if kind == SLIDING else None
+                anchors,
+                keep,
+                ctx_len,
+                self.spec.block_size,
+                self.spec.sliding_window if kind == SLIDING else None,
+                first,
             )
             for kind in set(self.spec.layer_types)
         }
 
 
 def block_mask(
-    anchors: torch.Tensor, keep: torch.Tensor | None, ctx_len: int, block_size: int, window: int | None = None
+    anchors: torch.Tensor,
+    keep: torch.Tensor | None,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool [B, 1, N*bs, ctx_len + N*bs] for N blocks per row laid out one after another.
 
-    Context key j is visible to block n iff j < anchors[:, n] (and keep); block keys only within the same
-    block. With a window (sliding layers, z-lab semantics): causal inside the block and
-    query_pos - key_pos < window. A dropped block (keep False) still sees itself, so no row is empty.
+    Context key j is visible to block n iff first[:, n] <= j < anchors[:, n] (and keep; `first` None: 0, a packed
+    row: where the anchor's sample begins); block keys only within the same block. With a window (sliding layers,
+    z-lab semantics): causal inside the block and query_pos - key_pos < window. A dropped block (keep False) still
+    sees itself, so no row is empty.
     """
     b, n = anchors.shape
     dev = anchors.device
@@ -237,6 +256,8 @@ def block_mask(
     q_blk = torch.arange(n, device=dev).repeat_interleave(block_size)[None, :, None]
     j = torch.arange(ctx_len, device=dev)[None, None, :]
     ctx_vis = j < q_anchor
+    if first is not None:
+        ctx_vis = ctx_vis & (j >= first[:, :, None].expand(b, n, block_size).reshape(b, -1, 1))
     if keep is not None:
         ctx_vis = ctx_vis & keep[:, :, None].expand(b, n, block_size).reshape(b, -1, 1)
     k_off, k_blk = q_off.transpose(1, 2), q_blk.transpose(1, 2)

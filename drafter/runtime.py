@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_pipeline.drafter.batching import collate
+from dflash_pipeline.drafter.batching import collate, pack
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.errors import ConfigError
 
@@ -128,7 +128,7 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.devic
             yield from DataLoader(
                 ds,
                 batch_sampler=batches[skip:],
-                collate_fn=collate,
+                collate_fn=pack if cfg.pack else collate,
                 num_workers=cfg.num_workers,
                 pin_memory=device.type == "cuda",
                 prefetch_factor=4 if cfg.num_workers else None,

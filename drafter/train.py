@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors, states
+from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors, segment_bounds, states
 from dflash_pipeline.drafter.checkpoint import (
     finished_run,
     latest_checkpoint,
@@ -131,6 +131,11 @@ def _build(
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and dev.type == "cuda" and flex.available())
     if use_flex and dev.type != "cuda":
         raise ConfigError("train.attention='flex' needs a CUDA device; use 'sdpa' or 'auto' on CPU")
+    if cfg.pack and cfg.batch_size > 1 and not use_flex:
+        log.warning(
+            "train.pack=true with train.attention=sdpa: the dense mask spans the whole packed row, so attention grows "
+            "with the square of batch_size (slower than padding); packing pays with flex attention (CUDA)"
+        )
     precision = resolve_precision(cfg.precision, dev)
     head = load_target_head(report, dev, compute_dtype(precision), need_norm=cfg.distill)
     model = DFlashDrafter(spec).to(dev)
@@ -146,17 +151,21 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
     """Forward + backward of one micro-batch; returns (loss, {'tokens', 'correct'}) as device tensors (no host
     synchronisation: the step reads them once, at its end), and the host-side counts 'queries', 'attn_pairs'."""
     cfg, dev = job.cfg, job.dev
-    anchors, keep = sample_anchors(batch["loss_mask"], cfg.anchors_per_sample, torch.Generator().manual_seed(seed))
+    starts = batch.get("starts")  # a packed micro-batch (train.pack): one row, its samples one after another
+    gen = torch.Generator().manual_seed(seed)
+    anchors, keep = sample_anchors(batch["loss_mask"], cfg.anchors_per_sample, gen, starts)
     bs, (rows, t) = job.spec.block_size, batch["input_ids"].shape
+    first, end = segment_bounds(anchors, starts, t)
     # The work of this micro-batch, counted on the host (no sync): draft queries, and query-key pairs the
-    # attention must compute (a block's bs queries see the context before its anchor and the block itself).
-    work = (rows * anchors.shape[1] * bs, bs * int((anchors * keep).sum()) + rows * anchors.shape[1] * bs * bs)
+    # attention must compute (a block's bs queries see its sample's context before its anchor and the block itself).
+    n = rows * anchors.shape[1] * bs
+    work = (n, bs * int(((anchors - first) * keep).sum()) + n * bs)
     b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
-    anchors, keep = anchors.to(dev), keep.to(dev)
+    anchors, keep, first, end = (x.to(dev) for x in (anchors, keep, first, end))
     blk = block_inputs(
-        b["input_ids"], b["loss_mask"], anchors, keep, job.spec.block_size, job.spec.mask_token_id, cfg.gamma
+        b["input_ids"], b["loss_mask"], anchors, keep, bs, job.spec.mask_token_id, cfg.gamma, (first, end)
     )
-    ctx_pos = torch.arange(t, device=dev).expand(len(anchors), t)
+    ctx_pos = b["positions"] if starts is not None else torch.arange(t, device=dev).expand(rows, t)
     with contextlib.nullcontext() if sync else job.ddp.no_sync():  # forward and backward inside
         with autocast(job.precision, dev):
             out = job.ddp(
@@ -164,7 +173,7 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
                 job.head.embed(blk["block_ids"]),
                 ctx_pos,
                 blk["block_pos"],
-                job.model.block_masks(anchors, keep, t, job.flex),
+                job.model.block_masks(anchors, keep, t, job.flex, first if starts is not None else None),
             )
             last = (
                 states(b, "last_hidden", job.ds.precision, job.ds.logical_torch, job.compute) if cfg.distill else None
