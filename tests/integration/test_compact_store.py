@@ -74,12 +74,25 @@ def test_round_trip_within_the_documented_bound(stores, precision):
         assert g["hidden"].shape[1:] == (3, 32) and g["hidden_scale"].shape[1:] == (3, 4 + 2)
 
 
-def _documented_int4_decoder():
-    """docs/STORE.md's numpy-only int4 decoder, run exactly as written there."""
+def _documented(marker: str, **given) -> dict:
+    """The names a python snippet of docs/STORE.md (the one containing `marker`) defines, run exactly as written
+    with numpy as np and `given` (its inputs)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "STORE.md").read_text(), flags=re.S)
-    space: dict = {}
-    exec(next(b for b in blocks if "def decode_int4" in b), space)  # the documented snippet, as written
-    return space["decode_int4"]
+    space: dict = {"np": np, **given}
+    exec(next(b for b in blocks if marker in b), space)  # the documented snippet, as written
+    return space
+
+
+def _documented_decode(precision: str, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """docs/STORE.md, "Compact precisions": stored values and scales -> float32, with numpy only."""
+    if precision == "int4":
+        return _documented("def decode_int4")["decode_int4"](q, s)
+    b = np.arange(256)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    table = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    table = np.where((b & 0x7F) == 0x7F, np.nan, np.where(b & 0x80, -table, table)).astype(np.float32)
+    values = table[q] if precision == "fp8" else q.astype(np.float32)
+    return values * s[..., None]
 
 
 def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
@@ -87,12 +100,6 @@ def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
     import zarr
 
     g = zarr.open_group(str(version_dir), mode="r")
-    precision = g.attrs["precision"]
-    decode_int4 = _documented_int4_decoder()
-    b = np.arange(256)
-    e, m = (b >> 3) & 0xF, b & 0x7
-    table = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7.0))
-    table = np.where((b & 0x7F) == 0x7F, np.nan, np.where(b & 0x80, -table, table)).astype(np.float32)
     out = {}
     for name, unit in g["units"].groups():
         commit = json.loads((version_dir / "units" / name / "commit.json").read_text())
@@ -101,12 +108,31 @@ def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
                 continue
             q = unit["hidden"][start : start + length]
             s = unit["hidden_scale"][start : start + length]
-            if precision == "int4":
-                out[sid] = decode_int4(q, s)
-                continue
-            values = table[q] if precision == "fp8" else q.astype(np.float32)
-            out[sid] = values * s[..., None]
+            out[sid] = _documented_decode(g.attrs["precision"], q, s)
     return out
+
+
+@pytest.mark.parametrize("precision", COMPACT)
+def test_the_documented_rounding_into_bfloat16_is_the_readers(precision):
+    """A GPU extraction's store dequantizes into bfloat16: docs/STORE.md's float32 decode, then its numpy rounding
+    to bf16 bits, gives the bits the reader returns (its numpy path, the CPU's) and training computes (torch's)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 256, generator=g)
+    x[::7, :, 5] *= 300  # massive activations, as trained LLMs have
+    q, s = quant.quantize(x, precision)
+    bits = _documented("0x7FFF", x=_documented_decode(precision, q.numpy(), s.numpy()))["bits"]
+    for got in (
+        quant.dequantize(q.numpy(), s.numpy(), precision, torch.bfloat16),
+        quant.dequantize(q, s, precision, torch.bfloat16),
+    ):
+        np.testing.assert_array_equal(bits, got.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_the_documented_bfloat16_rounding_breaks_ties_to_even():
+    """Values half way between two bf16 values (rare in data) go to the even neighbour, as torch rounds."""
+    ties = ((np.arange(0x3F00, 0x3F40, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    want = torch.from_numpy(ties).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(_documented("0x7FFF", x=ties)["bits"], want)
 
 
 @pytest.mark.parametrize("precision", COMPACT)
