@@ -20,6 +20,14 @@ import torch
 from dflash_pipeline.drafter.head_loss import head_loss
 
 
+def _optional_fields(items: list[dict]) -> list[str]:
+    """The per-token fields beyond input_ids, loss_mask and hidden that a batch of `items` carries: last_hidden when
+    every item has it, and a compact store's scales (read with dequantize=False) of the states it carries."""
+    has_last = all("last_hidden" in it for it in items)
+    names = ("last_hidden", "hidden_scale", "last_hidden_scale")
+    return [n for n in names if n in items[0] and (has_last or n == "hidden_scale")]
+
+
 def collate(items: list[dict]) -> dict:
     """Right-pad a list of store samples. hidden [T, K, H] becomes [B, T, K*H] (layer_ids order)."""
     lengths = torch.tensor([len(it["input_ids"]) for it in items])
@@ -31,22 +39,16 @@ def collate(items: list[dict]) -> dict:
         "hidden": torch.zeros(b, t, k * h, dtype=items[0]["hidden"].dtype),
         "lengths": lengths,
     }
-    has_last = all("last_hidden" in it for it in items)
-    if has_last:
-        out["last_hidden"] = torch.zeros(b, t, h, dtype=items[0]["last_hidden"].dtype)
-    # A compact store read with dequantize=False: the rows' scales (padding gets scale 0, so it stays 0).
-    scales = [s for s in ("hidden_scale", "last_hidden_scale") if s in items[0] and (has_last or s == "hidden_scale")]
-    for s in scales:
-        out[s] = torch.zeros(b, t, *items[0][s].shape[1:], dtype=items[0][s].dtype)
+    optional = _optional_fields(items)  # padding gets scale 0, so it stays 0
+    for name in optional:
+        out[name] = torch.zeros(b, t, *items[0][name].shape[1:], dtype=items[0][name].dtype)
     for i, it in enumerate(items):
         n = len(it["input_ids"])
         out["input_ids"][i, :n] = it["input_ids"]
         out["loss_mask"][i, :n] = it["loss_mask"]
         out["hidden"][i, :n] = it["hidden"].reshape(n, k * h)
-        if has_last:
-            out["last_hidden"][i, :n] = it["last_hidden"]
-        for s in scales:
-            out[s][i, :n] = it[s]
+        for name in optional:
+            out[name][i, :n] = it[name]
     return out
 
 
@@ -60,9 +62,8 @@ def pack(items: list[dict]) -> dict:
     out["input_ids"] = torch.cat([it["input_ids"] for it in items])[None].long()
     out["loss_mask"] = torch.cat([it["loss_mask"] for it in items])[None].bool()
     out["hidden"] = torch.cat([it["hidden"].reshape(len(it["input_ids"]), -1) for it in items])[None]
-    for name in ("last_hidden", "hidden_scale", "last_hidden_scale"):
-        if all(name in it for it in items) and (name != "last_hidden_scale" or "last_hidden" in out):
-            out[name] = torch.cat([it[name] for it in items])[None]
+    for name in _optional_fields(items):
+        out[name] = torch.cat([it[name] for it in items])[None]
     return out
 
 
