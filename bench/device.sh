@@ -133,6 +133,10 @@ for step in "$@"; do
       rm -rf /tmp/rt-out; mkdir -p /tmp/rt-out; cp -r /tmp/rt/. /tmp/rt-out/
       cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json /tmp/rt-out/ 2>/dev/null || true
       d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png /tmp/rt-out/ 2>/dev/null || true
+      # the precision runs' figures as they land (errors, rows, each drafter's loss history): a chain cut short by the
+      # device budget still brings back what it finished (session 17 lost its 12 trained runs' losses so)
+      p=../runs/realtext/precision; cp "$p"/*.json "$p"/*.jsonl /tmp/rt-out/ 2>/dev/null || true
+      for m in "$p"/drafter-*/metrics.json; do [[ -e $m ]] && cp "$m" "/tmp/rt-out/metrics-$(basename "$(dirname "$m")").json"; done
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
       for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;

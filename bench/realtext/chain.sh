@@ -4,19 +4,19 @@
 #   2. the pipeline up to a validated store (regenerate RT_SAMPLES conversations, prepare, probe, extract, validate);
 #   3. side by side on the same GPU (RT_MAIN=0: the precision runs alone):
 #      - the drafter trained RT_TRAIN_MINUTES and evaluated, then the agreement ceiling (agreement.py);
-#      - with RT_PRECISION=1: a store per compact precision and its error, then one process per seed training a
-#        drafter per precision (RT_PREC_STEPS steps, RT_PREC_PROMPTS prompts), none started after RT_PREC_UNTIL_S
-#        from the chain's start (precision.py; each process its own DFLASH_LOCK_DIR: they share the GPU on purpose).
+#      - with RT_PRECISION=1: a store per compact precision and its error, then a drafter per (seed in
+#        RT_PREC_SEEDS, precision), RT_PREC_STEPS steps each, evaluated on RT_PREC_PROMPTS prompts (precision.py;
+#        one process each, all at once, each its own DFLASH_LOCK_DIR: they share the GPU on purpose).
 # Logs and reports under /tmp/rt; /tmp/rt/done when everything ended. Run from the repository root.
 set -x
 echo $$ > /tmp/rt/pid  # realtext-wait waits on this process (device.sh writes it too)
-start=$(date +%s)
 # RT_SET: more overrides for every run, e.g. a CPU rehearsal's "--set regenerate.max_new_tokens=24 ..."
 samples="--set data.max_samples=${RT_SAMPLES:-1792} ${RT_SET:-}"
 (cd bench && python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-4.0}" ${RT_TARGET_ARGS:-}) \
   > /tmp/rt/target_log.txt 2>&1
 python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
-  --stages regenerate,prepare,probe,extract,validate --report /tmp/rt/store_report.json > /tmp/rt/store_log.txt 2>&1
+  --stages regenerate,prepare,probe,extract,validate --report /tmp/rt/store_report.json > /tmp/rt/store_log.txt 2>&1 \
+  || { echo "the store pipeline failed: /tmp/rt/store_log.txt"; exit 1; }  # nothing after it has data to work on
 # RT_MAIN=0: the precision table alone (no 10-minute drafter, no agreement): the precision runs get the GPU
 [[ ${RT_MAIN:-1} == 1 ]] && (
   python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
@@ -28,16 +28,35 @@ python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 9
 main=$!
 if [[ ${RT_PRECISION:-1} == 1 ]]; then
   prec=(--out runs/realtext/precision $samples --set "evaluate.num_prompts=${RT_PREC_PROMPTS:-15}" ${RT_PREC_ARGS:-})
-  DFLASH_LOCK_DIR=/tmp/rt-locks-stores python3 bench/realtext/precision.py stores "${prec[@]}" \
-    > /tmp/rt/precision_stores_log.txt 2>&1
-  seeds=()
-  for s in 0 1 2; do
-    DFLASH_LOCK_DIR=/tmp/rt-locks-$s python3 bench/realtext/precision.py train "${prec[@]}" \
-      --set regenerate.enabled=false --seed $s --steps "${RT_PREC_STEPS:-1000}" \
-      --until $((start + ${RT_PREC_UNTIL_S:-1380})) > /tmp/rt/precision_seed${s}_log.txt 2>&1 &
-    seeds+=($!)
+  # One process per compact store, then one per (seed, precision), all side by side: a drafter this small leaves
+  # the GPU mostly idle and its steps are bound by the host, so 12 processes on 16 cores finish ~12 runs in the
+  # time of a few (each its own DFLASH_LOCK_DIR; 2 threads each, not 16)
+  export OMP_NUM_THREADS=${RT_PREC_THREADS:-2}
+  # Each run resumes the (finished) regeneration first, and a regeneration takes one writer at a time: a run that
+  # finds another one there tries again a few seconds later
+  stores() {
+    for attempt in 1 2 3 4 5 6; do
+      DFLASH_LOCK_DIR=/tmp/rt-locks-stores-$1 python3 bench/realtext/precision.py stores "${prec[@]}" --precisions $1 \
+        > /tmp/rt/precision_stores_$1_log.txt 2>&1 && return 0
+      grep -q "another process is regenerating" /tmp/rt/precision_stores_$1_log.txt || return 1
+      sleep $((2 + RANDOM % 5))
+    done
+    return 1
+  }
+  pids=()
+  for p in fp8 int8 int4; do stores $p & pids+=($!); done
+  wait "${pids[@]}"
+  pids=()
+  for s in ${RT_PREC_SEEDS:-0 1 2}; do
+    for p in full fp8 int8 int4; do
+      DFLASH_LOCK_DIR=/tmp/rt-locks-$s-$p python3 bench/realtext/precision.py train "${prec[@]}" --precisions $p \
+        --set regenerate.enabled=false --seed $s --steps "${RT_PREC_STEPS:-1000}" \
+        > /tmp/rt/precision_seed${s}_${p}_log.txt 2>&1 &
+      pids+=($!)
+    done
   done
-  wait "${seeds[@]}"
+  wait "${pids[@]}"
+  unset OMP_NUM_THREADS
   python3 bench/realtext/precision.py report "${prec[@]}" > /tmp/rt/precision_table.txt 2>&1
   cp runs/realtext/precision/precision.json /tmp/rt/ || true
 fi

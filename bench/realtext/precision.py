@@ -3,9 +3,10 @@ error per layer (overall and on the channels with the largest activations), and 
 length over seeds, all runs with the same steps.
 
 It shares the real-text pipeline's work directory (its regenerated and prepared data) and its validated store as
-the `full` one; each compact precision gets its own store, each (precision, seed) its own drafter. On one GPU it
-runs beside the main pipeline's training (bench/device.sh realtext-all): a drafter this small leaves the GPU mostly
-idle, and each process here takes its own DFLASH_LOCK_DIR so the runs' one-run-per-GPU locks let them share it.
+the `full` one; each compact precision gets its own store, each (precision, seed) its own drafter. On one GPU
+bench/realtext/chain.sh runs one process per store and then one per (seed, precision), side by side: a drafter
+this small leaves the GPU mostly idle, and each process takes its own DFLASH_LOCK_DIR so the runs'
+one-run-per-GPU locks let them share it.
 
     python bench/realtext/precision.py stores --config configs/realtext.yaml --out runs/realtext/precision
     python bench/realtext/precision.py train --config configs/realtext.yaml --out runs/realtext/precision --seed 0
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,16 +101,23 @@ def cmd_stores(args) -> int:
             "store": row,
             "layers": layer_errors(full, Path(overrides["store_path"]), args.error_samples, args.top_channels),
         }
-        print(f"{precision}: store and errors in {time.monotonic() - t0:.0f} s", flush=True)
+        print(
+            f"{precision}: store and errors in {time.monotonic() - t0:.0f} s; "
+            f"states {row['states_bytes_per_token']:.1f} bytes/token ({row['states_of_raw_bf16']:.3f} of raw bf16), "
+            f"store {row['store_bytes_per_token']:.1f}",
+            flush=True,
+        )
         for e in errors[precision]["layers"]:
             print(f"  layer {e['layer']}: rel L2 {e['rel_l2']:.4f}, top channels {e['rel_l2_top_channels']:.4f}")
-    (args.out / "errors.json").write_text(json.dumps(errors, indent=1))
+    # one file per invocation's precisions: the chain runs one `stores` process per precision side by side
+    (args.out / f"errors-{'-'.join(errors)}.json").write_text(json.dumps(errors, indent=1))
     return 0
 
 
 def cmd_train(args) -> int:
     """One seed: a drafter per precision, `--steps` steps each, evaluated on `evaluate.num_prompts` prompts."""
-    rows_path = args.out / f"runs-seed{args.seed}.jsonl"
+    # one file per process (the chain may run one per (seed, precision) side by side)
+    rows_path = args.out / f"runs-seed{args.seed}-{'-'.join(args.precisions)}.jsonl"
     order = list(args.precisions[args.seed % len(args.precisions) :]) + list(
         args.precisions[: args.seed % len(args.precisions)]
     )
@@ -137,12 +146,49 @@ def cmd_train(args) -> int:
     return 0
 
 
+def paired_differences(rows: list[dict], precisions: list[str]) -> list[dict]:
+    """Each compact precision's acceptance minus full's of the same seed: the same initialization and data order,
+    so the seed's own luck cancels and what is left is the precision's effect."""
+    full = {r["seed"]: r["acceptance_length"] for r in rows if r["precision"] == "full"}
+    out = []
+    for precision in precisions:
+        if precision == "full":
+            continue
+        pairs = [
+            (r["seed"], r["acceptance_length"] - full[r["seed"]])
+            for r in rows
+            if r["precision"] == precision and r["seed"] in full
+        ]
+        if not pairs:
+            continue
+        diffs = [d for _, d in sorted(pairs)]
+        base = statistics.mean(full[s] for s, _ in pairs)
+        out.append(
+            {
+                "precision": precision,
+                "seeds": sorted(s for s, _ in pairs),
+                "differences": diffs,
+                "mean": statistics.mean(diffs),
+                "relative": statistics.mean(diffs) / base,
+            }
+        )
+    return out
+
+
 def cmd_report(args) -> int:
     rows = [json.loads(line) for p in sorted(args.out.glob("runs-seed*.jsonl")) for line in p.read_text().splitlines()]
-    errors_path = args.out / "errors.json"
-    errors = json.loads(errors_path.read_text()) if errors_path.exists() else {}
+    errors = {}
+    for path in sorted(args.out.glob("errors*.json")):
+        errors |= json.loads(path.read_text())
     table = summarize(rows, list(args.precisions))
     print_table(table)
+    paired = paired_differences(rows, list(args.precisions))
+    if paired:
+        print("\n| precision | tau minus full's, same seed (paired) | mean | seeds |")
+        print("| --- | --- | --- | --- |")
+        for d in paired:
+            diffs = ", ".join(f"{x:+.3f}" for x in d["differences"])
+            print(f"| {d['precision']} | {diffs} | {d['mean']:+.3f} ({d['relative']:+.1%}) | {d['seeds']} |")
     print("\n| precision | layer | rel L2 | on the top channels | worst token | top1/median |")
     print("| --- | --- | --- | --- | --- | --- |")
     for precision, e in errors.items():
@@ -157,6 +203,7 @@ def cmd_report(args) -> int:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "summary": table,
+        "paired_vs_full": paired,
         "errors": errors,
         "runs": rows,
     }

@@ -21,6 +21,20 @@ def test_config_errors_name_field_and_value():
         load_config(None, ["data.max_samples"])
 
 
+def test_a_bare_off_is_the_word_not_a_boolean(tmp_path):
+    # YAML 1.1 reads off as False: `--set extract.compile=off` and `compile: off` in a file must mean 'off'
+    cfg = load_config(None, ["extract.compile=off", "evaluate.baseline=off", "train.compile=off"])
+    assert (cfg.extract.compile, cfg.evaluate.baseline, cfg.train.compile) == ("off", "off", "off")
+    f = tmp_path / "c.yaml"
+    f.write_text("extract:\n  compile: off\n")
+    assert load_config(f, []).extract.compile == "off"
+    # a field that offers no 'off' still refuses a boolean, naming it
+    with pytest.raises(ConfigError, match=r"evaluate.baseline.*got True"):
+        load_config(None, ["evaluate.baseline=on"])
+    with pytest.raises(ConfigError, match=r"data.max_samples"):
+        load_config(None, ["data.max_samples=off"])
+
+
 def test_yaml_file_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data:\n  max_samples: 7\nlayers:\n  preset: explicit\n  ids: [1, 2]\n")
