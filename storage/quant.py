@@ -135,14 +135,16 @@ def _steps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Few passes over the rows (the quantization runs inside the extraction worker's budget, issue 29: <= 2% of
-    the forward): the group maxima, one division, rounding into int8 and the packing in bytes."""
+    the forward): the group maxima in one pass over x as it is (bf16 on a GPU: a max is exact in any dtype), one
+    division computed in float32 from x's own values (no float32 copy of the rows), rounding into int8 and the
+    packing in bytes."""
     *lead, h = x.shape
     n_groups = int4_groups(h)
-    xf = x.float()
     if n_groups * INT4_GROUP != h:  # zeros complete the last group: they change no group's max
-        xf = torch.nn.functional.pad(xf, (0, n_groups * INT4_GROUP - h))
-    xg = xf.view(*lead, n_groups, INT4_GROUP)
-    gmax = torch.maximum(xg.amax(-1), -xg.amin(-1))  # [..., groups], no |x| copy of the rows
+        x = torch.nn.functional.pad(x, (0, n_groups * INT4_GROUP - h))
+    xg = x.view(*lead, n_groups, INT4_GROUP)
+    lo, hi = torch.aminmax(xg, dim=-1)  # NaN propagates (documented), so a NaN row is still seen below
+    gmax = torch.maximum(hi, -lo).float().abs_()  # [..., groups], no |x| copy of the rows; abs: +0, not -0
     amax = gmax.amax(-1)
     bad = ~torch.isfinite(amax)  # NaN / inf: R = NaN, so the whole row decodes to NaN
     any_bad = bool(bad.any())  # the one host sync
@@ -153,8 +155,8 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ref = amax / QMAX["int4"]
     step = ref.unsqueeze(-1) * steps[codes]
     step = torch.where(step == 0, torch.ones_like(step), step)  # an all-zero row: 0 / 1 = 0 (groups, not values)
-    y = xg / step.unsqueeze(-1)
-    del xf, xg  # a float32 copy of the rows less on the device while q is made
+    y = xg / step.unsqueeze(-1)  # bf16 / float32: each value widened exactly, divided in float32
+    del x, xg
     if any_bad:  # only then can y hold NaN or an infinity (0 / 0, x / inf)
         y.nan_to_num_(0.0, 7.0, -7.0)
     # No clamp needed: a group's step is at least its max / 7 (up to float32 rounding), so |round(y)| <= 7

@@ -187,6 +187,24 @@ def test_int4_zero_nonfinite_and_partial_groups():
         quant.quantize(torch.randn(2, 33), "int4")
 
 
+def test_int4_of_bf16_rows_is_int4_of_their_float32_values():
+    """The worker quantizes bf16 rows without a float32 copy (maxima in bf16, the division widened on the fly): the
+    stored bytes equal those of the same values given as float32, massive activations, zeros, NaN and inf included;
+    an all-zero row's reference is +0.0 whatever the zeros' sign."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 3, 4096 + 48, generator=g) * torch.logspace(-6, 3, 64).view(64, 1, 1)
+    x[0, 0], x[1, 1] = 0.0, -0.0
+    x[2, 0, 7], x[3, 2, 4100] = 3000.0, -1.0e4  # massive activations (one in the partial last group)
+    x[4, 1, 9], x[5, 2, 0] = math.nan, -math.inf
+    xb = x.to(torch.bfloat16)
+    qb, sb = quant.quantize(xb, "int4")
+    qf, sf = quant.quantize(xb.float(), "int4")
+    assert torch.equal(qb, qf) and torch.equal(sb, sf)
+    ref = sb[..., : quant.INT4_SCALE_HEADER].contiguous().view(torch.int32).squeeze(-1)
+    assert ref[0, 0] == 0 and ref[1, 1] == 0  # +0.0's bits, not -0.0's
+    assert torch.isnan(sb[4, 1, : quant.INT4_SCALE_HEADER].clone().view(torch.float32)).all()
+
+
 def test_bytes_per_token_of_the_8b_and_27b_shapes():
     """int4 at most 0.28 of raw bf16 on the benches' shapes (5 captured layers), scales, ids and mask included."""
     for hidden, figure in ((4096, 10_905), (5120, 13_625)):
