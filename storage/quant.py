@@ -107,15 +107,15 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     bits of e4m3fn, or int8), scale [...] float32; int4: q [..., H/2] uint8, scale [..., 4 + ceil(H/32)] uint8."""
     if precision == "int4":
         return _quantize_int4(x)
-    xf = x.float()
-    amax = xf.abs().amax(-1)
+    lo, hi = torch.aminmax(x, dim=-1)  # one pass over x as it is (a max is exact in any dtype); NaN propagates
+    amax = torch.maximum(hi, -lo).float().abs_()
     scale = amax / QMAX[precision]
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).unsqueeze(-1)
-    y = xf * inv
+    y = x * inv  # widened to float32 on the fly: no float32 copy of the rows
     if precision == "fp8":
-        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        q = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
-        q = y.round().clamp(-127.0, 127.0).to(torch.int8)
+        q = y.round_().clamp_(-127.0, 127.0).to(torch.int8)
     bad = ~torch.isfinite(amax)  # keep NaN / inf visible: the row dequantizes to non-finite values
     if bad.any():
         scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
