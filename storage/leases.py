@@ -4,6 +4,7 @@ dies with it, and its file is then removed as stale (docs/STORE.md, "Retention")
 
 from __future__ import annotations
 
+import atexit
 import getpass
 import itertools
 import json
@@ -11,6 +12,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,18 @@ def who() -> str:
 
 _counter = itertools.count()
 _warned_no_lease: set[str] = set()
+_held: weakref.WeakSet[ReaderLease] = weakref.WeakSet()  # released at the interpreter's exit
+
+
+@atexit.register
+def _release_held() -> None:
+    """A reader still referenced when the interpreter exits (a script's module-level dataset) gives its lease back
+    here: garbage collection at shutdown may never reach it, and the file would stay behind (the lock does not)."""
+    for lease in list(_held):
+        try:
+            lease.release()
+        except Exception:  # noqa: BLE001 - best effort at exit; a leftover unlocked file is removed as stale
+            pass
 
 
 class ReaderLease:
@@ -87,6 +101,7 @@ class ReaderLease:
             os.write(fd, json.dumps(info).encode())
             os.rename(tmp, d / name)
             self._fd, self.path = fd, d / name
+            _held.add(self)
             return
 
     @classmethod
@@ -100,6 +115,7 @@ class ReaderLease:
         if self._fd is None or os.getpid() != self._pid:  # a forked copy never touches its parent's lease
             return
         fd, path, self._fd = self._fd, self.path, None
+        _held.discard(self)
         try:
             path.unlink(missing_ok=True)
         finally:

@@ -140,7 +140,8 @@ def test_after_export_deletes_the_trained_version_only(source, tmp_path, capsys)
 def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path):
     """A live reader (in this process, then in another one) blocks the deletion of CURRENT: the retention step
     skips it naming the reader and leaves a request; the next one deletes it once the reader is gone, also when
-    the reader was killed (its lease file stays, its flock does not)."""
+    the reader was killed (its lease file stays, its flock does not). A reader that exits without close() leaves
+    no lease file."""
     out, store, version = copy_run(source, tmp_path / "run")
     before = snapshot(store, version)
     cfg = run_cfg(out, "after_export")
@@ -159,6 +160,14 @@ def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path)
     assert sum(1 for _ in loader) == len(reader)
     assert len(leases.live_leases(store, version)) == 1
     reader.close()
+
+    # A reader in another process that ends without close(), as the README's snippet does: no lease file left.
+    code = (
+        "import sys; from dflash_pipeline.storage.reader import HiddenStateDataset; "
+        "ds = HiddenStateDataset(sys.argv[1]); item = ds[0]; ds.layer_ids, ds.attrs['model_path']"
+    )
+    subprocess.run([sys.executable, "-c", code, store.url], check=True, cwd=ROOT)
+    assert not list((store.loc.root / version / leases.LEASES).glob("*.lease"))
 
     # A reader in another process, SIGKILLed: its lease file stays behind, but not its lock.
     code = (
