@@ -88,13 +88,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _extracted(s) -> str:
+    tokens = s.tokens_extracted or 0
+    if s.new_samples:
+        return f"{s.new_samples:,} new samples, {tokens:,} tokens extracted now"
+    if tokens:  # units planned by an earlier run: cut short, or discarded by `verify --repair`
+        return f"no new samples; {tokens:,} tokens of units planned before (unfinished or repaired) extracted now"
+    return "no new samples, nothing to extract"
+
+
 def summary_lines(s, seconds: float) -> list[str]:
     """The run's summary for people: what was produced, where, and the acceptance length (`--json`: all of it)."""
     lines = [f"done in {seconds:.0f} s; outputs under {s.output_dir}"]
     if s.current or s.version:
-        what = f"{s.new_samples:,} new samples, {s.tokens_extracted or 0:,} tokens extracted now" if s.version else ""
+        what = f"{_extracted(s)}; " if s.version else ""
         lines.append(
-            f"store: {s.store} version {s.current or s.version} ({what}; validation {s.validation or 'not run'}); "
+            f"store: {s.store} version {s.current or s.version} ({what}validation {s.validation or 'not run'}); "
             "read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
         )
     if s.drafter:

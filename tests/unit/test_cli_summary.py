@@ -1,0 +1,23 @@
+"""The CLI's closing summary says what this run extracted: new samples, units planned before (a resumed or
+repaired run), or nothing."""
+
+from __future__ import annotations
+
+from dflash_pipeline.cli import summary_lines
+from dflash_pipeline.stages import RunSummary
+
+
+def _store_line(**given) -> str:
+    s = RunSummary(output_dir="out", store="runs/s", version="v0001", current="v0001", validation="PASS", **given)
+    return summary_lines(s, 1.0)[1]
+
+
+def test_the_store_line_says_what_this_run_extracted():
+    assert "(256 new samples, 19,525 tokens extracted now; validation PASS)" in _store_line(
+        new_samples=256, tokens_extracted=19525
+    )
+    # after `verify --repair` discarded a unit (or a run was cut short), the rerun extracts planned samples again
+    repaired = _store_line(new_samples=0, tokens_extracted=19525)
+    assert "no new samples; 19,525 tokens of units planned before (unfinished or repaired) extracted now" in repaired
+    assert "0 new samples" not in repaired
+    assert "(no new samples, nothing to extract; validation PASS)" in _store_line(new_samples=0, tokens_extracted=0)
