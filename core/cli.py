@@ -99,15 +99,17 @@ def _extracted(s) -> str:
 
 def summary_lines(s, seconds: float) -> list[str]:
     """The run's summary for people: what was produced, where, and the acceptance length (`--json`: all of it)."""
-    lines = [f"done in {seconds:.0f} s; outputs under {s.output_dir}"]
+    from dflash_pipeline.progress import shown
+
+    lines = [f"done in {seconds:.0f} s; outputs under {shown(s.output_dir)}"]
     if s.current or s.version:
         what = f"{_extracted(s)}; " if s.version else ""
         lines.append(
-            f"store: {s.store} version {s.current or s.version} ({what}validation {s.validation or 'not run'}); "
+            f"store: {shown(s.store)} version {s.current or s.version} ({what}validation {s.validation or 'not run'}); "
             "read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
         )
     if s.drafter:
-        lines.append(f"drafter: {s.drafter}" + (f" (final loss {s.final_loss:.3f})" if s.final_loss else ""))
+        lines.append(f"drafter: {shown(s.drafter)}" + (f" (final loss {s.final_loss:.3f})" if s.final_loss else ""))
     if s.acceptance_length is not None:
         base = s.untrained_acceptance_length
         lines.append(
@@ -267,16 +269,24 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class _PlainLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno <= logging.INFO else f"{record.levelname}: {text}"
+
+
 def _console_logging(args: argparse.Namespace) -> None:
     """`run`: one progress display (core/progress.py) and, on the console, warnings and errors only (every record
     with --verbose); the records still reach the Prefect UI. Other commands: every INFO record, as lines."""
-    if args.command == "run":
-        from dflash_pipeline.progress import ConsoleHandler, hide_gpu_notes_without_gpu
+    from dflash_pipeline.progress import ConsoleHandler, hide_gpu_notes_without_gpu
 
+    hide_gpu_notes_without_gpu()  # transformers' notes on missing GPU kernels, on a machine without a GPU
+    if args.command == "run":
         logging.basicConfig(level=logging.INFO, handlers=[ConsoleHandler(verbose=args.verbose)])
-        hide_gpu_notes_without_gpu()  # transformers' notes on missing GPU kernels, on a machine without a GPU
-    else:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:  # plain lines like run's: an INFO record as its message, a warning or error as "LEVEL: message"
+        handler = logging.StreamHandler()
+        handler.setFormatter(_PlainLines())
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
     for noisy in ("httpx", "httpcore", "uvicorn", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -285,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (tests/unit/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the pipeline (prepare, probe, extract, validate, ...)")
+    run = sub.add_parser(
+        "run", help="run the pipeline (probe, regenerate, prepare, plan, extract, validate, train, evaluate)"
+    )
     run.add_argument("--config", help="YAML config file (see configs/default.yaml)")
     run.add_argument(
         "--set",

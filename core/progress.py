@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -89,6 +90,16 @@ class Stage:
 
 def fmt_s(s: float) -> str:
     return f"{s:.1f} s" if s < 60 else f"{int(s // 60)} min {int(s % 60):02d} s"
+
+
+def shown(path: str | os.PathLike | None) -> str:
+    """A path as people read it on the console: relative to the working directory when it lies inside it (a run
+    resolves its paths to absolute ones once), else as it is; a URL (s3://) as it is."""
+    text = str(path)
+    if "://" in text or not os.path.isabs(text):
+        return text
+    rel = os.path.relpath(text)
+    return text if rel == ".." or rel.startswith(".." + os.sep) else rel
 
 
 class Display(Protocol):

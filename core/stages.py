@@ -512,7 +512,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
             if "extract" in stages:
                 if cfg.extract.engine == "local":  # Ray's workers hold the GPUs of the nodes they run on
                     check_gpus_free(report.replicas)
-                with run.stage("extract", f"hidden states into {plan_.version_path}") as st:
+                with run.stage("extract", f"hidden states into {display.shown(plan_.version_path)}") as st:
                     results = runner.extract(cfg, report, plan_)
                     st.said(plan_, results)
                 summary.tokens_extracted = sum(r.tokens for r in results)
@@ -524,7 +524,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                     "unit: add extract to stages"
                 )
             if "validate" in stages:
-                with run.stage("validate", f"{plan_.version_path}") as st:
+                with run.stage("validate", display.shown(plan_.version_path)) as st:
                     validation = runner.validate(cfg, report, prepared, plan_.version)
                     st.said(validation)
                 summary.validation = "PASS" if validation.ok else "FAIL"

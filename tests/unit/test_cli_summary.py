@@ -21,3 +21,18 @@ def test_the_store_line_says_what_this_run_extracted():
     assert "no new samples; 19,525 tokens of units planned before (unfinished or repaired) extracted now" in repaired
     assert "0 new samples" not in repaired
     assert "(no new samples, nothing to extract; validation PASS)" in _store_line(new_samples=0, tokens_extracted=0)
+
+
+def test_paths_on_the_console_are_relative_to_where_the_user_is(tmp_path, monkeypatch):
+    from dflash_pipeline.progress import shown
+
+    monkeypatch.chdir(tmp_path)
+    assert shown(tmp_path / "runs" / "embedded") == "runs/embedded"  # resolved once to absolute, shown as typed
+    assert shown("/elsewhere/store") == "/elsewhere/store"
+    assert shown("s3://bucket/store") == "s3://bucket/store" and shown("runs/x") == "runs/x"
+    s = RunSummary(output_dir=str(tmp_path / "runs/e"), store=str(tmp_path / "runs/e/store"), version="v0001")
+    assert summary_lines(s, 1.0)[:2] == [
+        "done in 1 s; outputs under runs/e",
+        "store: runs/e/store version v0001 (no new samples, nothing to extract; validation not run); read it with "
+        "dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)",
+    ]
