@@ -43,6 +43,8 @@ unit: install
 PY312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12 2>/dev/null))
 VENV312 ?= .venv312
 $(VENV312)/bin/dflash-pipeline: pyproject.toml
+	@test -n "$(PY312)" || { echo "make test-py312: no Python 3.12 found (pyenv or python3.12 on PATH): install it" \
+		"(e.g. apt-get install python3.12-venv) or name it: make test-py312 PY312=/path/to/python3.12" >&2; exit 2; }
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip
 	$(VENV312)/bin/pip install -q "torch==2.13.0"
