@@ -217,7 +217,8 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
             time.sleep(0.2)
         time.sleep(1.0)  # inside the first stage, the probe (a task: its engine and the flow's both report the crash)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
-        assert proc.wait(timeout=120) == 130
+        rc = proc.wait(timeout=120)
+        assert rc == 130, (rc, (tmp_path / "err").read_text()[-3000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
