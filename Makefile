@@ -8,7 +8,9 @@ $(BIN)/dflash-pipeline: pyproject.toml
 	# torch pinned to the CPU wheel available locally; an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e '.[test]'
+	# (setuptools warns on every editable install whose packages map to folders, as ours do: core/ is
+	# dflash_pipeline; the warning is about such folders shadowing the package, which cannot happen here)
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 .PHONY: install run test test-load unit lint test-py312
@@ -48,7 +50,7 @@ $(VENV312)/bin/dflash-pipeline: pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip
 	$(VENV312)/bin/pip install -q "torch==2.13.0"
-	$(VENV312)/bin/pip install -q -e '.[test]'
+	PYTHONWARNINGS="ignore:Editable installation" $(VENV312)/bin/pip install -q -e '.[test]'
 	touch $@
 
 test-py312: $(VENV312)/bin/dflash-pipeline
