@@ -107,8 +107,7 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     bits of e4m3fn, or int8), scale [...] float32; int4: q [..., H/2] uint8, scale [..., 4 + ceil(H/32)] uint8."""
     if precision == "int4":
         return _quantize_int4(x)
-    lo, hi = torch.aminmax(x, dim=-1)  # one pass over x as it is (a max is exact in any dtype); NaN propagates
-    amax = torch.maximum(hi, -lo).float().abs_()
+    amax = _absmax(x)
     scale = amax / QMAX[precision]
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).unsqueeze(-1)
     y = x * inv  # widened to float32 on the fly: no float32 copy of the rows
@@ -120,6 +119,14 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     if bad.any():
         scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
     return q, scale
+
+
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last axis, float32: one aminmax pass over x as it is (a max is exact in any dtype, and no
+    |x| or float32 copy of the rows is made); NaN propagates (documented), so a NaN row is still seen; abs: an
+    all-zero row gives +0, not -0."""
+    lo, hi = torch.aminmax(x, dim=-1)
+    return torch.maximum(hi, -lo).float().abs_()
 
 
 _STEPS_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -143,8 +150,7 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n_groups * INT4_GROUP != h:  # zeros complete the last group: they change no group's max
         x = torch.nn.functional.pad(x, (0, n_groups * INT4_GROUP - h))
     xg = x.view(*lead, n_groups, INT4_GROUP)
-    lo, hi = torch.aminmax(xg, dim=-1)  # NaN propagates (documented), so a NaN row is still seen below
-    gmax = torch.maximum(hi, -lo).float().abs_()  # [..., groups], no |x| copy of the rows; abs: +0, not -0
+    gmax = _absmax(xg)  # [..., groups]
     amax = gmax.amax(-1)
     bad = ~torch.isfinite(amax)  # NaN / inf: R = NaN, so the whole row decodes to NaN
     any_bad = bool(bad.any())  # the one host sync
