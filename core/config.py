@@ -41,7 +41,7 @@ SECRET_OPTION_KEYS = {
 class DataConfig(Section):
     source: str = Field(
         "embedded",
-        description="'embedded', a local .jsonl/.json/.parquet file, a directory "
+        description="'embedded', a local .jsonl/.json/.parquet/.arrow file, a directory "
         "saved by `datasets`, or a HF dataset name (needs hub access).",
     )
     format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
@@ -144,9 +144,14 @@ class LayersConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _explicit_needs_ids(self) -> LayersConfig:
+    def _ids_with_explicit(self) -> LayersConfig:
         if self.preset == "explicit" and not self.ids:
             raise ValueError("layers.preset is 'explicit' but layers.ids is empty: give e.g. layers.ids=[1,3,5]")
+        if self.preset != "explicit" and self.ids:  # a preset chooses its own layers: the ids would go unused
+            raise ValueError(
+                f"layers.ids={self.ids} is only read with layers.preset=explicit (now {self.preset!r}, which "
+                "chooses its own layers): add layers.preset=explicit to capture these, or drop layers.ids"
+            )
         return self
 
 

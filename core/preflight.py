@@ -40,6 +40,7 @@ def _local(path: str) -> str:
 
 def preflight(cfg: RunConfig) -> None:
     """Raise the first problem found, naming the field, the value and the fix."""
+    from dflash_pipeline.embedded import EMBEDDED, SHIPPED_TARGET
     from dflash_pipeline.extraction.layers import select_layer_ids
     from dflash_pipeline.extraction.modelfiles import read_model_config
     from dflash_pipeline.extraction.tokenizer import check_tokenizer_dir
@@ -51,11 +52,12 @@ def preflight(cfg: RunConfig) -> None:
     _writable_dir(_local(cfg.output_dir), "output_dir")
     if cfg.store_path and "://" not in cfg.store_path:
         _writable_dir(_local(cfg.store_path), "store_path")
-    if cfg.target.model_path != "embedded":
-        mc = read_model_config(_local(cfg.target.model_path))  # names target.model_path and the fix
-        text = mc.get("text_config") or mc
-        if "num_hidden_layers" in text:
-            select_layer_ids(cfg.layers, int(text["num_hidden_layers"]), announce=False)  # the probe logs
+    embedded = cfg.target.model_path == EMBEDDED
+    # the embedded target's layers are those of its shipped config (building it takes seconds: the probe does)
+    mc = read_model_config(str(SHIPPED_TARGET) if embedded else _local(cfg.target.model_path))  # names the fix
+    text = mc.get("text_config") or mc
+    if "num_hidden_layers" in text:
+        select_layer_ids(cfg.layers, int(text["num_hidden_layers"]), announce=False)  # the probe logs
     tok = cfg.target.tokenizer_path and _local(cfg.target.tokenizer_path)
     if tok and cfg.target.tokenizer_path != "embedded" and not os.path.isdir(tok):
         raise ConfigError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 EMBEDDED = "embedded"
+SHIPPED_TARGET = Path(__file__).parent / "data" / "target"  # the shipped weights and their config.json
 
 
 def resolve_source(source: str) -> str:

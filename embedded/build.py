@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.embedded import SHIPPED_TARGET
 from dflash_pipeline.storage.commit import taking_turns
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
-SHIPPED = DATA_DIR / "target"
+SHIPPED = SHIPPED_TARGET
 TRAIN_STEPS = 800
 TRAIN_SEQ = 192
 TRAIN_BATCH = 8

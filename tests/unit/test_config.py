@@ -21,6 +21,14 @@ def test_config_errors_name_field_and_value():
         load_config(None, ["data.max_samples"])
 
 
+def test_layer_ids_without_the_explicit_preset_are_refused_not_ignored():
+    # a preset chooses its own layers: the ids were silently unused (and recorded in the store's run_config)
+    for preset in ("dflash", "eagle3"):
+        with pytest.raises(ConfigError, match=rf"layers.ids=\[1, 50\].*now '{preset}'.*add layers.preset=explicit"):
+            load_config(None, [f"layers.preset={preset}", "layers.ids=[1,50]"])
+    assert load_config(None, ["layers.preset=explicit", "layers.ids=[1,50]"]).layers.ids == [1, 50]
+
+
 def test_a_bare_off_is_the_word_not_a_boolean(tmp_path):
     # YAML 1.1 reads off as False: `--set extract.compile=off` and `compile: off` in a file must mean 'off'
     cfg = load_config(None, ["extract.compile=off", "evaluate.baseline=off", "train.compile=off"])
