@@ -92,6 +92,11 @@ def fmt_s(s: float) -> str:
     return f"{s:.1f} s" if s < 60 else f"{int(s // 60)} min {int(s % 60):02d} s"
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 unit', '3 units' (nouns whose plural adds an s)."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def shown(path: str | os.PathLike | None) -> str:
     """A path as people read it on the console: relative to the working directory when it lies inside it (a run
     resolves its paths to absolute ones once), else as it is; a URL (s3://) as it is."""
@@ -390,10 +395,10 @@ def said_estimate(e) -> str:
 def said_extract(plan, results) -> str:
     tokens = sum(r.tokens for r in results)
     if not tokens:
-        return f"nothing to extract: {plan.version_path} already holds every sample ({plan.n_units} units)"
+        return f"nothing to extract: {plan.version_path} already holds every sample ({counted(plan.n_units, 'unit')})"
     wall = max((r.seconds for r in results), default=0.0)
     rate = f", {tokens / wall:,.0f} tokens/s" if wall else ""
-    return f"{tokens:,} tokens in {sum(len(r.units) for r in results)} units{rate}"
+    return f"{tokens:,} tokens in {counted(sum(len(r.units) for r in results), 'unit')}{rate}"
 
 
 def said_train(r) -> str:

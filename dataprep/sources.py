@@ -156,8 +156,11 @@ def iter_rows(source: str, split: str = "train", encoding: str = "auto") -> Iter
 
 
 def _json_error(e: json.JSONDecodeError, line_no: int | None = None) -> str:
-    line = line_no if line_no is not None else e.lineno
-    return f"invalid JSON: {e.msg} at line {line}, column {e.colno} (character {e.pos} of the line)"
+    """Where the JSON breaks, as an editor shows it: a JSONL row's own line and its column in that line (the
+    decoder's count would be of the row and its newline: 'line 2, column 1' for a row cut short)."""
+    if line_no is None:
+        return f"invalid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+    return f"invalid JSON: {e.msg} at line {line_no}, column {e.pos + 1}"
 
 
 def _jsonl(p: Path, codec: str) -> Iterator[tuple[int, Any | BadLine]]:
@@ -186,7 +189,7 @@ def _jsonl(p: Path, codec: str) -> Iterator[tuple[int, Any | BadLine]]:
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                yield n, json.loads(line.rstrip("\r\n"))  # (the same row: columns counted within it)
             except json.JSONDecodeError as e:
                 yield n, BadLine(_json_error(e, n))
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import digest, retention
 from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
 from dflash_pipeline.storage.store import Store
@@ -88,7 +89,8 @@ class VerifyReport:
             verdict = "its data were deleted by retention (see the line above)"
         else:
             verdict = (
-                f"{len(self.problems)} problems: {len(self.damaged_units())} damaged units, {unfinished} unfinished"
+                f"{counted(len(self.problems), 'problem')}: {counted(len(self.damaged_units()), 'damaged unit')}, "
+                f"{unfinished} unfinished"
             )
             if records:
                 verdict += f", {records} damaged records of intact data (repaired by rewriting them, see above)"
@@ -97,7 +99,8 @@ class VerifyReport:
             if deleted:
                 verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
         return (
-            f"{self.url}: {verdict}; checked {self.units} units, {self.files} files, {self.bytes / 2**20:.1f} MiB "
+            f"{self.url}: {verdict}; checked {counted(self.units, 'unit')}, {counted(self.files, 'file')}, "
+            f"{self.bytes / 2**20:.1f} MiB "
             f"({how}) in {self.seconds:.2f} s{rate}"
         )
 

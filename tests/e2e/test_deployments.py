@@ -261,7 +261,9 @@ def test_cancelling_a_run_in_training_stops_it_without_retry(server, shared_out,
     tasks, _ = _task_runs_and_artifacts(server, run_id)
     train = [t for t in tasks if t.name.startswith("train drafter")]
     assert len(train) == 1 and train[0].run_count <= 1 and not train[0].state.is_completed(), train
-    assert list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint saved on cancel"
+    if not list((tmp_path / "checkpoints").glob("step-*")):  # what a CI log needs to tell why
+        tail = "\n".join(f"{log.level} {log.message}" for log in _logs(server, run_id)[-25:])
+        pytest.fail(f"no checkpoint saved on cancel; training task {train[0].state!r}; the run's last logs:\n{tail}")
     assert not (tmp_path / "export").exists()  # and no evaluation ran after it
     assert not any(t.name.startswith("acceptance") for t in tasks)
 

@@ -95,6 +95,8 @@ def test_quarantine_report_and_good_rows_survive(tmp_path, tokenizer):
     q = {x["row"]: x["reason"] for x in load_quarantine(res)}
     assert set(q) == {2, 3, 4}  # 1-based line numbers, as an editor shows them
     assert "invalid JSON" in q[2] and "no assistant turn" in q[3] and "unknown role 'bot'" in q[4]
+    # where in the row, as an editor counts: "{not json" breaks at its 2nd character (not "line 2, column 1")
+    assert "at line 2, column 2" in q[2], q[2]
 
 
 def test_nothing_usable_is_a_clear_error(tmp_path, tokenizer):
