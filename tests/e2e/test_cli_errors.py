@@ -53,13 +53,23 @@ def readonly_dir(tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["model path", "layer id", "unwritable output", "empty stages"],
+    [
+        "model path",
+        "layer id",
+        "layer id of the embedded target",
+        "draft layers of the embedded target",
+        "unwritable output",
+        "empty stages",
+    ],
 )
 def test_early_errors_in_seconds_before_any_preparation(case, model_dir, tmp_path, readonly_dir):
     out = tmp_path / "out"
     sets, expect = {
         "model path": ([f"target.model_path={tmp_path}/no-such-model"], "target.model_path"),
         "layer id": ([f"target.model_path={model_dir}", "layers.preset=explicit", "layers.ids=[1, 99]"], "99"),
+        # the default target: its shipped config.json is read (before, the probe found these after Prefect's start)
+        "layer id of the embedded target": (["layers.preset=explicit", "layers.ids=[1,50]"], "valid ids are 0..7"),
+        "draft layers of the embedded target": (["layers.num_draft_layers=20"], "layers.num_draft_layers=5"),
         "unwritable output": ([f"output_dir={readonly_dir}/run"], "output_dir"),
         "empty stages": (["stages=[]"], "stages is empty"),
     }[case]
