@@ -228,7 +228,10 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
         time.sleep(1.0)  # inside the first stage, the probe (a task: its engine and the flow's both report the crash)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
         rc = proc.wait(timeout=120)
-        assert rc == 130, (rc, (tmp_path / "err").read_text()[-3000:])
+        # 130, or death by SIGINT itself (-2): a shell shows both as $? = 130, "stopped by Ctrl-C". The second was
+        # seen about once in 35 runs under load, after the stop message had been printed (its cause inside the
+        # interpreter's shutdown is not pinned down). What the user reads is checked below either way.
+        assert rc in (130, -signal.SIGINT), (rc, (tmp_path / "err").read_text()[-3000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
