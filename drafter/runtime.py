@@ -71,6 +71,7 @@ class StopAtStepBoundary:
 
     def __init__(self):
         self.signum: int | None = None
+        self.at_once = False  # a second Ctrl-C: no checkpoint at all
         self._prev: dict[int, Any] = {}
 
     @property
@@ -86,6 +87,7 @@ class StopAtStepBoundary:
 
     def _handle(self, signum, frame):
         if self.flag and signum == signal.SIGINT:  # Ctrl-C again: now, as without this handler
+            self.at_once = True
             prev = self._prev[signum]
             if callable(prev):
                 prev(signum, frame)
@@ -102,6 +104,39 @@ class StopAtStepBoundary:
         prev = self._prev.get(self.signum)
         if self.flag and exc_type is None and callable(prev):
             prev(self.signum, None)
+
+
+class LastStepKept:
+    """The training loop's safety net: when an exception leaves the loop (a stop that surfaced as an error somewhere
+    in a step, a failure in the next step's forward), the last finished step is saved before the exception goes on,
+    unless a checkpoint of it exists, the weights are half-updated (inside the optimizer step), a second Ctrl-C asked
+    to stop at once, or several processes train (their saves wait for each other at a barrier: no rank may save
+    alone). `save` replaces the loop's own save calls, so it knows what is on disk."""
+
+    def __init__(self, save: Callable[[int], None], step: int, stop: StopAtStepBoundary, alone: bool):
+        self._save, self._stop, self._alone = save, stop, alone
+        self.step = self.saved = step  # the last finished step; the last one on disk (a resume's, or none new)
+        self.updating = False
+
+    def save(self, step: int) -> None:
+        self.saved = step  # first: a save that fails is not tried again on the way out
+        self._save(step)
+
+    def finished(self, step: int) -> None:
+        self.step, self.updating = step, False
+
+    def __enter__(self) -> LastStepKept:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None or self.updating or self.step == self.saved or self._stop.at_once or not self._alone:
+            return False
+        log.warning("%s after step %d: saving its checkpoint before stopping", exc_type.__name__, self.step)
+        try:
+            self.save(self.step)
+        except Exception as err:  # noqa: BLE001 - the exception that ended the loop is the one to report
+            log.warning("could not save step %d: %s", self.step, err)
+        return False
 
 
 def epoch_batches(n: int, cfg: TrainConfig, world: int, rank: int, epoch: int) -> list[list[int]]:

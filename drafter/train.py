@@ -6,6 +6,7 @@ One process on CPU or one GPU; several GPUs through torch DDP: launch
 Data order comes from DistributedSampler (seed + epoch) and anchors from a generator seeded by
 (seed, micro-batch index, rank), so a resumed run replays exactly what an uninterrupted one would.
 SIGTERM or Ctrl-C sets a flag; the run saves a checkpoint at the next step boundary and returns interrupted.
+An exception that leaves the loop between steps (runtime.LastStepKept) saves the last finished step first.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from dflash_pipeline.drafter.export import export_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.precision import ComputeCopy, autocast, compute_dtype
 from dflash_pipeline.drafter.precision import resolve as resolve_precision
-from dflash_pipeline.drafter.runtime import StopAtStepBoundary, lr_lambda, micro_batches, setup, total_steps
+from dflash_pipeline.drafter.runtime import (
+    LastStepKept,
+    StopAtStepBoundary,
+    lr_lambda,
+    micro_batches,
+    setup,
+    total_steps,
+)
 from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, mask_token_id, spec_json
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.probe import ProbeReport
@@ -273,7 +281,7 @@ def train(
     step, interrupted = start, False
     model.train()
     job.work.module.train()
-    with StopAtStepBoundary() as stop:
+    with StopAtStepBoundary() as stop, LastStepKept(save, start, stop, alone=d.world == 1) as kept:
         while step < total and not interrupted:
             sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, tokens, supervised, correct, stop
             for micro in range(cfg.grad_accum):
@@ -302,16 +310,18 @@ def train(
                 work["queries"] += st["queries"]
                 work["attn_pairs"] += st["attn_pairs"]
             if interrupted:
-                save(step)
+                kept.save(step)
                 break
             job.work.fold_grads()
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            kept.updating = True  # until step + 1 is complete, the weights are of no step
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             job.work.refresh()
             step += 1
+            kept.finished(step)
             sums[4] = float(stop.flag)
             if d.world > 1:  # one all-reduce: losses, counts and the stop flag agree on every rank
                 torch.distributed.all_reduce(sums)
@@ -341,7 +351,7 @@ def train(
                     progress(step, total, float(sums[0]), tps)
             interrupted = bool(sums[4] > 0)
             if interrupted or step % cfg.checkpoint_every == 0 or step == total:
-                save(step)
+                kept.save(step)
     elapsed = time.perf_counter() - t0
     last = history[-10:]
     result = TrainResult(

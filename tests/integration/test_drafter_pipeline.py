@@ -154,6 +154,30 @@ def test_sigterm_then_rerun_resumes_from_checkpoint(work, reference):
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a)
 
 
+def test_an_error_between_steps_saves_the_last_finished_step_first(work, reference, tmp_path):
+    """An exception that leaves the training loop after a finished step (here the progress callback, as when the
+    Prefect API goes away under a run's artifact update) loses no step: step 7 is saved before the error goes on,
+    although the next periodic checkpoint was far away, and the resumed run replays the rest exactly."""
+    cfg = TrainConfig(**{**TRAIN, "checkpoint_every": 1000})
+
+    def progress(step: int, total: int, loss: float, tps: float) -> None:
+        if step == 7:
+            raise ConnectionError("the API went away")
+
+    with pytest.raises(ConnectionError):
+        train(cfg, work["store"], work["report"], tmp_path, progress=progress)
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-00000007"]
+    assert not (tmp_path / "export").exists()
+    resumed = train(cfg, work["store"], work["report"], tmp_path)
+    assert resumed.start_step == 7 and resumed.steps == STEPS
+    torch.testing.assert_close(
+        torch.tensor([h["loss"] for h in resumed.history]),
+        torch.tensor([h["loss"] for h in reference.history]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-group"])
 def test_a_stop_to_the_process_group_saves_a_checkpoint_with_dataloader_workers(work, tmp_path, sig):
     """A terminal's Ctrl-C and Prefect's cancel signal the whole process group, DataLoader workers included (the
