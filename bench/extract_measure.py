@@ -197,7 +197,7 @@ def check_first_batch(store, version, unit, first: torch.Tensor, dtype_name: str
 def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tuple[str, int]]) -> list[dict]:
     """Store-writer throughput without a GPU: bf16 rows of random normal values (compress like hidden
     states: ratio ~1.45 with zstd), fed through UnitWriter.add in 16k-token batches."""
-    from dflash_pipeline.config import ExtractConfig
+    from dflash_pipeline.extraction.config import ExtractConfig
     from dflash_pipeline.storage.store import Store
     from dflash_pipeline.storage.writer import UnitWriter
 

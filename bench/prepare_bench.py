@@ -74,7 +74,7 @@ def main() -> None:
 
         dp.__path__.insert(0, str(Path(args.code) / "dataprep"))
 
-    from dflash_pipeline.config import DataConfig
+    from dflash_pipeline.dataprep.config import DataConfig
     from dflash_pipeline.dataprep.prepare import prepare_dataset
     from tests.qwen_vocab import qwen_tokenizer
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_pipeline.config import DataConfig
+from dflash_pipeline.dataprep.config import DataConfig
 from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation
 from dflash_pipeline.dataprep.render import render
 from dflash_pipeline.dataprep.sources import BadLine, iter_rows, resolve_encoding, source_fingerprint

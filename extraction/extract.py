@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.config import ExtractConfig
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.batching import plan_batches
 from dflash_pipeline.extraction.capture import LayerCapture
+from dflash_pipeline.extraction.config import ExtractConfig
 from dflash_pipeline.extraction.loader import forward_or_eager, load_compiled
 from dflash_pipeline.extraction.placement import input_device, replica_devices
 from dflash_pipeline.extraction.spec import WorkerSpec

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from dflash_pipeline.config import LayersConfig
 from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.extraction.config import LayersConfig
 
 log = logging.getLogger(__name__)
 EAGLE3_MIN_LAYERS = 7  # [1, L//2 - 1, L - 4] are distinct from 7 layers on

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError, ConfigError
 from dflash_pipeline.extraction import quantized
+from dflash_pipeline.extraction.config import AUTO_TOKEN_BUDGET_MAX, ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.kernels import conv_kernel_choice, fla_version, gdn_forward_choice
 from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_pipeline.config import ExtractConfig
+from dflash_pipeline.extraction.config import ExtractConfig
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.handoff import Handoff
 

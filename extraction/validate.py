@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.config import ValidateConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.errors import ValidationFailed
+from dflash_pipeline.extraction.config import ValidateConfig
 from dflash_pipeline.extraction.loader import decoder_layers, forward_or_eager
 from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import DTYPES, sharded_arrays

@@ -165,7 +165,7 @@ def test_validation_passes_and_reports_a_corrupted_scale(stores, model_dir, tmp_
     shard whose bytes changed fails it, naming the scale array and file."""
     import shutil
 
-    from dflash_pipeline.config import ValidateConfig
+    from dflash_pipeline.extraction.config import ValidateConfig
     from dflash_pipeline.extraction.loader import load_target
     from dflash_pipeline.extraction.validate import validate_store
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.config import DataConfig
+from dflash_pipeline.dataprep.config import DataConfig
 from dflash_pipeline.dataprep.prepare import load_prepared, load_quarantine, prepare_dataset
 from dflash_pipeline.dataprep.render import render
 from dflash_pipeline.embedded import resolve_source

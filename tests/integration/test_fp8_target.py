@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_pipeline.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError
 from dflash_pipeline.extraction import fp8_linear, quantized
+from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.loader import load_planned
 from dflash_pipeline.extraction.probe import probe
 from dflash_pipeline.storage.store import Store

@@ -13,9 +13,9 @@ import pytest
 import zarr
 
 from dflash_pipeline.cli import main as cli
-from dflash_pipeline.config import ValidateConfig
 from dflash_pipeline.errors import StoreError, ValidationFailed
 from dflash_pipeline.extraction.batching import plan_batches
+from dflash_pipeline.extraction.config import ValidateConfig
 from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store

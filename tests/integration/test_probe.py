@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from dflash_pipeline.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.errors import CompatError
+from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.loader import load_target
 from dflash_pipeline.extraction.probe import probe, probe_dtype_kwarg
 

@@ -153,7 +153,7 @@ def test_digest_mode_checks_each_shard_when_first_read(clean_extraction, tmp_pat
 def validated(small_store, tmp_path_factory):
     """A copy of the small store whose version passed validation and is CURRENT (as a run with validate leaves
     it), and its prepared dataset."""
-    from dflash_pipeline.config import ValidateConfig
+    from dflash_pipeline.extraction.config import ValidateConfig
     from dflash_pipeline.extraction.validate import validate_store
 
     root = tmp_path_factory.mktemp("validated") / "store"

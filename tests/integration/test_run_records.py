@@ -81,7 +81,7 @@ def full_disk(tmp_path):
 
 def test_full_output_dir_is_one_error_naming_the_file_and_the_fix(full_disk, tokenizer):
     """probe.json on a full disk was 106 lines of `OSError: [Errno 28]` traceback; the prepared dataset the same."""
-    from dflash_pipeline.config import DataConfig
+    from dflash_pipeline.dataprep.config import DataConfig
     from dflash_pipeline.dataprep.prepare import prepare_dataset
     from dflash_pipeline.embedded import resolve_source
     from dflash_pipeline.storage.commit import write_atomic

@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from dflash_pipeline.config import DataConfig
+from dflash_pipeline.dataprep.config import DataConfig
 from dflash_pipeline.dataprep.prepare import fingerprint, load_prepared, prepare_dataset
 from dflash_pipeline.embedded.build import BUILD_VERSION, ensure_built
 from tests.integration.test_dataprep import CONV

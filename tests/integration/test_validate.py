@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_pipeline.config import ValidateConfig
 from dflash_pipeline.errors import ValidationFailed
+from dflash_pipeline.extraction.config import ValidateConfig
 from dflash_pipeline.extraction.loader import load_target
 from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
 from dflash_pipeline.storage.store import Store

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dflash_pipeline.config import ExtractConfig
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.train import TrainJob
+from dflash_pipeline.extraction.config import ExtractConfig
 from dflash_pipeline.extraction.probe import DeviceInfo, ProbeReport
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.handoff import HandoffError

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_pipeline.config import LayersConfig, load_config
+from dflash_pipeline.config import load_config
 from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.extraction.config import LayersConfig
 from dflash_pipeline.extraction.layers import dflash_layer_ids, eagle3_layer_ids, select_layer_ids
 from dflash_pipeline.extraction.probe import resolve_devices
 

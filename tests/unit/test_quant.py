@@ -225,6 +225,6 @@ def test_an_unknown_precision_names_the_choices():
 def test_the_config_offers_every_precision():
     from typing import get_args
 
-    from dflash_pipeline.config import ExtractConfig
+    from dflash_pipeline.extraction.config import ExtractConfig
 
     assert get_args(ExtractConfig.model_fields["store_precision"].annotation) == quant.PRECISIONS

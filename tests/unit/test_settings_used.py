@@ -14,7 +14,7 @@ from dflash_pipeline.config import RunConfig
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("core", "dataprep", "drafter", "embedded", "extraction", "flows", "storage", "tasks")
 # Where fields are declared, not read.
-DECLARATIONS = {ROOT / "core" / "config.py", ROOT / "drafter" / "config.py"}
+DECLARATIONS = {ROOT / d / "config.py" for d in ("core", "dataprep", "drafter", "extraction")}
 
 
 def package_source() -> str:
