@@ -206,6 +206,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Check a store version completely; one line per problem, then a summary. Exit 0 healthy and validated, 1
     not, 2 the store or version cannot be read (no published version), 3 a repair could not be finished."""
     from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.leases import ReaderLease
     from dflash_pipeline.storage.reader import published_version
     from dflash_pipeline.storage.store import Store
@@ -250,7 +251,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if damaged:
                 store.discard_units(version, damaged)
                 print(
-                    f"discarded {len(damaged)} damaged units of {version} ({', '.join(damaged)}): rerun the pipeline's "
+                    f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(damaged)}): rerun the "
+                    "pipeline's "
                     "extract stage on this store (with validate) to extract exactly their samples again; validation "
                     "then moves CURRENT"
                 )

@@ -8,8 +8,9 @@ The reader never returns values that were not committed as they are: at construc
 version's attributes against the version record, every unit's attributes against its plan record and its
 commit record (present, complete), and raises StoreError naming the unit, array and file on a mismatch. When
 a unit's arrays are first opened (in each process) every file its commit record lists is checked for
-presence and size (a missing zarr shard would otherwise read back as zeros); with `verify="digests"` also
-for content: the unit's small files at first open, each shard the first time a sample in it is read (in each
+presence and size (a missing zarr shard would otherwise read back as zeros), and the content of its small
+files (the arrays' metadata, token ids and loss mask: a shape, byte order or dtype edited in place keeps the
+file's size); with `verify="digests"` also each shard's content the first time a sample in it is read (in each
 process; every byte is then read once more, once). storage/verify.py holds the checks.
 
 A reader holds a lease on its version for as long as it lives (storage/leases.py): retention and pruning
@@ -35,6 +36,7 @@ from dflash_pipeline.storage.verify import (
     Problem,
     check_unit,
     check_version_attrs,
+    duplicate_samples,
     unvalidated_fix,
     validation_status,
 )
@@ -97,14 +99,15 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     ):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
-        `verify`: "sizes" (every committed file of a unit present with its committed size, checked when the
-        unit is first opened; costs a directory listing per unit and process) or "digests" (also their
-        content: each shard is read once more the first time a sample in it is read). `partial`: read the
-        committed samples of units not yet complete (a version being extracted); by default every planned unit
-        must be complete. `dequantize=False` (a compact store only): items hold the stored values as they are
-        ('hidden' uint8 e4m3 bits or int8, [T, K, H]; int4: uint8 [T, K, H/2]) plus 'hidden_scale' [T, K]
-        float32 (int4: uint8 [T, K, 4 + groups]) and 'last_hidden_scale' likewise, for a consumer that
-        dequantizes on its GPU (training does: a half or a quarter of the bytes to copy, no CPU decoding).
+        `verify`: "sizes" (every committed file of a unit present with its committed size, and its small files'
+        content: the arrays' metadata, ids and mask, a few bytes per token; checked when the unit is first opened,
+        per process) or "digests" (also each shard's content: read once more the first time a sample in it is read;
+        only this finds a shard replaced by another of the same size, e.g. swapped within an uncompressed unit).
+        `partial`: read the committed samples of units not yet complete (a version being extracted); by default
+        every planned unit must be complete. `dequantize=False` (a compact store only): items hold the stored
+        values as they are ('hidden' uint8 e4m3 bits or int8, [T, K, H]; int4: uint8 [T, K, H/2]) plus
+        'hidden_scale' [T, K] float32 (int4: uint8 [T, K, 4 + groups]) and 'last_hidden_scale' likewise, for a
+        consumer that dequantizes on its GPU (training does: a half or a quarter of the bytes to copy, no CPU decoding).
         `retired`: units whose data retention deleted (docs/STORE.md, "Retention") make the constructor raise
         ("refuse", the default) or, with "index" (a training's reader, so that a training resumed after its
         `consumed` units were deleted sees the same samples in the same order), stay in the index from their plan
@@ -178,6 +181,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             for sid, start, length in ua["samples"]:
                 if start + length <= committed:  # readers see committed samples only
                     self.samples.append(SampleRef(sid, unit, start, length))
+        self._raise_on(duplicate_samples((s.sample_id, s.unit) for s in self.samples))
         self._by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
         self._arrays: dict[str, dict] = {}
         self._pid: int | None = None
@@ -205,8 +209,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         )
 
     def _check_files(self, unit: str) -> None:
-        """Every file the unit's commit record lists: present with its committed size; with "digests" the
-        content of its small files now (ids, mask, metadata), of each shard when a sample first touches it."""
+        """Every file the unit's commit record lists: present with its committed size, and the content of its
+        small files (ids, mask, metadata); with "digests" each shard's when a sample first touches it."""
         rel = f"{self.version}/units/{unit}"
         listing = self.store.loc.list_files(rel)
         problems = []
@@ -223,7 +227,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 problems.append(
                     Problem(unit, array, f"units/{unit}/{f}", f"{size} bytes, committed with {want['size']}")
                 )
-            elif self.verify == "digests" and not _shard_of(f):
+            elif _shard_of(f) is None:
                 self._check_digest(unit, f, want)
         self._raise_on(problems)
 

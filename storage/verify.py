@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_
 from dflash_pipeline.storage.store import Store
 
 DAMAGED, INCOMPLETE, RETIRED, RECORD = "damaged", "incomplete", "retired", "record"
+DUPLICATE = "duplicate"  # a unit holding samples another unit holds: which one belongs is for a person to say
 REBUILD_PLAN = "`dflash-pipeline verify <store> --repair`, or a rerun of extract, rewrites it from them"
 REBUILD_VERSION_RECORD = (
     "a rerun of extract with the same run (same model, layers, dtype and dataset) rebuilds it from the run's "
@@ -98,6 +100,8 @@ class VerifyReport:
                 verdict += ", the version's own records or attributes damaged (see above)"
             if deleted:
                 verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
+            if dupes := [p.unit for p in self.problems if p.kind == DUPLICATE]:
+                verdict += f", {counted(len(dupes), 'unit')} holding samples another holds too ({', '.join(dupes)})"
         return (
             f"{self.url}: {verdict}; checked {counted(self.units, 'unit')}, {counted(self.files, 'file')}, "
             f"{self.bytes / 2**20:.1f} MiB "
@@ -306,6 +310,41 @@ def _check_sample_table(attrs: dict, P) -> list[Problem]:
     return []
 
 
+def duplicate_samples(samples: Iterable[tuple[str, str]]) -> list[Problem]:
+    """(sample_id, unit) pairs, in reading order -> one problem per unit that holds samples an earlier unit holds
+    too (a unit directory copied into the version, or planned twice). Not repaired automatically: either copy may
+    be the one that belongs."""
+    first: dict[str, str] = {}
+    dupes: dict[str, list[tuple[str, str]]] = {}
+    for sid, unit in samples:
+        other = first.setdefault(sid, unit)
+        if other != unit:
+            dupes.setdefault(unit, []).append((sid, other))
+    return [
+        Problem(
+            unit,
+            "-",
+            f"units/{unit}",
+            f"holds {counted(len(pairs), 'sample')} that unit {pairs[0][1]} holds too (e.g. sample {pairs[0][0]}): a "
+            "version stores each sample once. If this unit was copied in, delete its directory and plans/"
+            f"{unit}.json; if the other one was, delete that one's; then verify again",
+            DUPLICATE,
+        )
+        for unit, pairs in dupes.items()
+    ]
+
+
+def _sample_ids(store: Store, version: str, unit: str) -> list[tuple[str, str]]:
+    """The unit's (sample_id, unit) pairs from its attributes, else its plan record; none when both are unreadable
+    (reported by check_unit)."""
+    for read in (lambda: store.unit_attrs(version, unit), lambda: store.plan_record(version, unit)):
+        try:
+            return [(str(sid), unit) for sid, _, _ in (read() or {}).get("samples") or []]
+        except Exception:  # noqa: BLE001 - damaged: check_unit names it
+            continue
+    return []
+
+
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
     """Check everything of `version`; never raises on damaged data (problems are in the report)."""
     t0 = time.monotonic()
@@ -338,6 +377,7 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
             report.problems += problems
             report.files += n_files
             report.bytes += n_bytes
+    report.problems += duplicate_samples(pair for u in units for pair in _sample_ids(store, version, u))
     if not units and not gone:
         report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
     report.seconds = time.monotonic() - t0
@@ -417,10 +457,10 @@ def validation_status(store: Store, version: str) -> str | None:
             gone = set()
         changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
         if changed:
-            return (
-                f"it changed since it passed validation ({'the version record' if '-' in changed else 'units'} "
-                f"{[u for u in changed if u != '-']} rewritten or extended since)"
-            )
+            what = [w for w in ("the version record" if "-" in changed else "",) if w]
+            if units := [u for u in changed if u != "-"]:
+                what.append(f"units {units}")
+            return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
     return None
 
 

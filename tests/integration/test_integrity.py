@@ -46,6 +46,22 @@ def _edit(group: Path, key: str, fn) -> None:
     g.attrs[key] = fn(g.attrs[key])
 
 
+def _same_size_edit(path: Path, old: str, new: str) -> None:
+    """An edit in place that keeps the file's size (a size check alone cannot see it)."""
+    text = path.read_text()
+    edited = text.replace(old, new.ljust(len(old)), 1)
+    assert old in text and len(edited) == len(text)
+    path.write_text(edited)
+
+
+def _shape_minus_one(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    n = meta["shape"][0]
+    text, old = path.read_text(), f"\n    {n},"
+    assert str(n - 1).__len__() == str(n).__len__() and old in text  # the same number of digits
+    _same_size_edit(path, old, f"\n    {n - 1},")
+
+
 def _swap_first_two(samples):
     (a, sa, na), (b, sb, nb) = samples[0], samples[1]
     return [[b, sa, na], [a, sb, nb]] + list(samples[2:])
@@ -59,13 +75,27 @@ def _edit_plan(version_dir: Path, unit: str, fn) -> None:
 
 
 U0, U1 = "units/u00000", "units/u00001"
-# name: (damage(version dir), what the reader / verify / validation must name, damaged units, digests only)
+# name: (damage(version dir), what the reader / verify / validation must name, damaged units, content damage: found
+# by digests, repaired through `verify --repair`)
 DAMAGES = {
     "delete_shard": (lambda v: (v / U0 / "hidden/c/0/0/0").unlink(), f"{U0}/hidden/c/0/0/0", ["u00000"], False),
     "truncate_shard": (lambda v: _truncate(v / U1 / "last_hidden/c/0/0"), f"{U1}/last_hidden/c/0/0", ["u00001"], False),
     "flip_hidden": (lambda v: _flip(v / U0 / "hidden/c/0/0/0"), f"{U0}/hidden/c/0/0/0", ["u00000"], True),
     "flip_last_hidden": (lambda v: _flip(v / U1 / "last_hidden/c/0/0"), f"{U1}/last_hidden/c/0/0", ["u00001"], True),
     "flip_input_ids": (lambda v: _flip(v / U1 / "input_ids/c/0"), f"{U1}/input_ids/c/0", ["u00001"], True),
+    # an array's metadata edited in place, its size kept: the default reader read byte-swapped or fewer rows before
+    "big_endian_hidden": (
+        lambda v: _same_size_edit(v / U0 / "hidden/zarr.json", '"little"', '"big"'),
+        f"{U0}/hidden/zarr.json",
+        ["u00000"],
+        True,
+    ),
+    "shorter_last_hidden": (
+        lambda v: _shape_minus_one(v / U1 / "last_hidden/zarr.json"),
+        f"{U1}/last_hidden/zarr.json",
+        ["u00001"],
+        True,
+    ),
     "delete_commit": (lambda v: (v / U0 / "commit.json").unlink(), f"{U0}/commit.json", ["u00000"], False),
     "edit_version_dtype": (lambda v: _edit(v, "logical_dtype", lambda _: "bfloat16"), "logical_dtype", [], False),
     "edit_unit_dtype": (
@@ -84,6 +114,10 @@ DAMAGES = {
     "garble_version_record": (lambda v: (v / "version.json").write_text("[1"), "version.json", [], False),
     "edit_layer_ids": (lambda v: _edit(v, "layer_ids", lambda ids: ids[:-1] + [ids[-1] + 1]), "layer_ids", [], False),
 }
+
+
+# Content damage the default reader sees too: the small files (metadata, ids, mask) are checked against their digests
+SMALL_FILES = {"flip_input_ids", "big_endian_hidden", "shorter_last_hidden"}
 
 
 def snapshot_and_batches(small_store):
@@ -125,7 +159,7 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
         ds = HiddenStateDataset(root, version, verify="digests", unvalidated="warn")
         for i in range(len(ds)):
             ds[i]
-    if not digests_only:  # the default mode sees everything but content
+    if not digests_only or damage in SMALL_FILES:  # the default mode sees everything but the shards' content
         with pytest.raises(StoreError, match=name):
             ds = HiddenStateDataset(root, version, unvalidated="warn")
             for i in range(len(ds)):
@@ -134,7 +168,7 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
     # verify: non-zero, one line naming it
     assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
     out = capsys.readouterr().out
-    assert name in out and "problems" in out.splitlines()[-1], out
+    assert name in out and " problem" in out.splitlines()[-1], out
 
     # validation: a failed report naming it, no exception
     r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=2))
@@ -145,7 +179,7 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
     # repair: content damage is found by verify --repair; the rest by the rerun of extract itself
     if digests_only:
         assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1
-        assert "discarded 1 damaged units" in capsys.readouterr().out
+        assert "discarded 1 damaged unit of" in capsys.readouterr().out
     rerun = extract_local(tmp_path, SMALL)
     # a unit without commit record is unfinished work to the planner (as after a crash before its first
     # commit): its writer starts it over; the others are rebuilt from their plan records
@@ -157,6 +191,32 @@ def test_damage_is_caught_and_repaired(small_store, original, tmp_path, capsys, 
     assert cli(["verify", str(root), "--unvalidated"]) == 0
     r = validate_store(str(root), version, small_store.prepared, ValidateConfig(recompute_samples=0))
     assert r.ok, r.failures
+
+
+def test_a_unit_copied_into_the_version_is_named_not_read_twice(small_store, original, tmp_path, capsys):
+    """A unit directory copied in with its plan record (found by an independent check: with validation.json gone too,
+    verify said healthy and the reader returned 3 samples twice). Its samples are another unit's: verify names both
+    and the fix, the reader refuses, and after the documented fix (delete the copy) the store is as before."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    v = root / version
+    (v / "validation.json").unlink(missing_ok=True)
+    shutil.copytree(v / U0, v / "units/u00007")
+    shutil.copy(v / "plans/u00000.json", v / "plans/u00007.json")
+
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert "unit u00007" in out and "that unit u00000 holds too" in out and "plans/u00007.json" in out, out
+    assert "1 unit holding samples another holds too (u00007)" in out.splitlines()[-1], out
+    with pytest.raises(StoreError, match="units/u00007.*that unit u00000 holds too"):
+        HiddenStateDataset(root, version, unvalidated="warn")
+    assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1  # not for --repair to guess which
+    assert (v / "units/u00007").is_dir()
+
+    shutil.rmtree(v / "units/u00007")
+    (v / "plans/u00007.json").unlink()
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 0
+    assert_same_store(original[0], snapshot(Store(root), version))
 
 
 def test_missing_unit_directory_is_named_and_rebuilt(small_store, original, tmp_path, capsys):
