@@ -72,7 +72,6 @@ MODEL_CONFIG = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
-SHIPPED = SHIPPED_TARGET
 TRAIN_STEPS = 800
 TRAIN_SEQ = 192
 TRAIN_BATCH = 8
@@ -196,10 +195,10 @@ def build_model(out: Path, tokenizer, steps: int = TRAIN_STEPS) -> None:
 
 def _build(out: Path) -> None:
     tokenizer = build_tokenizer(out)
-    shipped_sha = SHIPPED / "TOKENIZER_SHA"
+    shipped_sha = SHIPPED_TARGET / "TOKENIZER_SHA"
     if shipped_sha.exists() and shipped_sha.read_text().strip() == tokenizer_sha(tokenizer):
         for name in ("config.json", "generation_config.json", "model.safetensors"):
-            shutil.copy(SHIPPED / name, out / name)
+            shutil.copy(SHIPPED_TARGET / name, out / name)
         return
     log.warning(
         "the shipped embedded target does not match this tokenizer (another `tokenizers` version?); "
@@ -214,9 +213,9 @@ def ship() -> None:
 
     with _tf.TemporaryDirectory() as d:
         tokenizer = build_tokenizer(Path(d))
-        SHIPPED.mkdir(parents=True, exist_ok=True)
-        build_model(SHIPPED, tokenizer)
-        (SHIPPED / "TOKENIZER_SHA").write_text(tokenizer_sha(tokenizer) + "\n")
+        SHIPPED_TARGET.mkdir(parents=True, exist_ok=True)
+        build_model(SHIPPED_TARGET, tokenizer)
+        (SHIPPED_TARGET / "TOKENIZER_SHA").write_text(tokenizer_sha(tokenizer) + "\n")
 
 
 if __name__ == "__main__":
