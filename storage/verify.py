@@ -95,7 +95,7 @@ class VerifyReport:
                 f"{unfinished} unfinished"
             )
             if records:
-                verdict += f", {records} damaged records of intact data (repaired by rewriting them, see above)"
+                verdict += f", {records} damaged records of intact data (`verify --repair` rewrites them, see above)"
             if any(p.kind == DAMAGED and p.unit == "-" for p in self.problems):
                 verdict += ", the version's own records or attributes damaged (see above)"
             if deleted:
