@@ -252,9 +252,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 store.discard_units(version, damaged)
                 print(
                     f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(damaged)}): rerun the "
-                    "pipeline's "
-                    "extract stage on this store (with validate) to extract exactly their samples again; validation "
-                    "then moves CURRENT"
+                    "pipeline's extract stage on this store (with validate) to extract exactly their samples again; "
+                    "validation then moves CURRENT"
                 )
         except (PipelineError, OSError) as e:
             print(f"error: repair of {store.loc.url_of(version)} stopped: {e}", file=sys.stderr)

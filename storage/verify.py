@@ -104,8 +104,7 @@ class VerifyReport:
                 verdict += f", {counted(len(dupes), 'unit')} holding samples another holds too ({', '.join(dupes)})"
         return (
             f"{self.url}: {verdict}; checked {counted(self.units, 'unit')}, {counted(self.files, 'file')}, "
-            f"{self.bytes / 2**20:.1f} MiB "
-            f"({how}) in {self.seconds:.2f} s{rate}"
+            f"{self.bytes / 2**20:.1f} MiB ({how}) in {self.seconds:.2f} s{rate}"
         )
 
 
@@ -337,9 +336,9 @@ def duplicate_samples(samples: Iterable[tuple[str, str]]) -> list[Problem]:
 def _sample_ids(store: Store, version: str, unit: str) -> list[tuple[str, str]]:
     """The unit's (sample_id, unit) pairs from its attributes, else its plan record; none when both are unreadable
     (reported by check_unit)."""
-    for read in (lambda: store.unit_attrs(version, unit), lambda: store.plan_record(version, unit)):
+    for read in (store.unit_attrs, store.plan_record):
         try:
-            return [(str(sid), unit) for sid, _, _ in (read() or {}).get("samples") or []]
+            return [(str(sid), unit) for sid, _, _ in (read(version, unit) or {}).get("samples") or []]
         except Exception:  # noqa: BLE001 - damaged: check_unit names it
             continue
     return []
@@ -457,9 +456,8 @@ def validation_status(store: Store, version: str) -> str | None:
             gone = set()
         changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
         if changed:
-            what = [w for w in ("the version record" if "-" in changed else "",) if w]
-            if units := [u for u in changed if u != "-"]:
-                what.append(f"units {units}")
+            units = [u for u in changed if u != "-"]
+            what = (["the version record"] if "-" in changed else []) + ([f"units {units}"] if units else [])
             return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
     return None
 

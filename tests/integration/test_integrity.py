@@ -58,7 +58,7 @@ def _shape_minus_one(path: Path) -> None:
     meta = json.loads(path.read_text())
     n = meta["shape"][0]
     text, old = path.read_text(), f"\n    {n},"
-    assert str(n - 1).__len__() == str(n).__len__() and old in text  # the same number of digits
+    assert len(str(n - 1)) == len(str(n)) and old in text  # the same number of digits
     _same_size_edit(path, old, f"\n    {n - 1},")
 
 
