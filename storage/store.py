@@ -232,13 +232,17 @@ class Store:
         return self.loc.read_json(f"{version}/{VERSION_RECORD}")
 
     def _write_version_record(self, version: str) -> None:
-        attrs = self.attrs(version)
+        """`validated_before_publishing`: this code makes a version CURRENT only once a passing validation.json is
+        written, so a CURRENT version without that file lost it (versions whose record predates the flag lack it,
+        and their CURRENT counts as validated: storage/verify.py validation_status). A record rebuilt by a rerun
+        carries it too: that run validates before it publishes."""
         self.loc.write_json_atomic(
             f"{version}/{VERSION_RECORD}",
             {
                 "format_version": FORMAT_VERSION,
                 "algorithm": digest.ALGORITHM,
-                "attrs": digest.of_attrs(attrs, READER_ATTRS),
+                "validated_before_publishing": True,
+                "attrs": digest.of_attrs(self.attrs(version), READER_ATTRS),
             },
         )
 

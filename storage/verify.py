@@ -430,8 +430,9 @@ def validated_state(store: Store, version: str) -> dict[str, str]:
 
 def validation_status(store: Store, version: str) -> str | None:
     """None when `version` passed validation and has not changed since; otherwise why it is not validated, as a
-    clause ("its validation failed: ...", "validation never ran on it", ...). A version that is CURRENT and has no
-    validation.json was published by a run that validated it before that record existed: validated."""
+    clause ("its validation failed: ...", "validation never ran on it", ...). A CURRENT version without
+    validation.json whose version record lacks `validated_before_publishing` was published by a run that validated
+    it before that report existed: validated."""
     try:
         rec = store.loc.read_json(f"{version}/{VALIDATION}")
         if rec is not None and not isinstance(rec, dict):
@@ -439,7 +440,15 @@ def validation_status(store: Store, version: str) -> str | None:
     except (ValueError, OSError) as e:
         return f"its validation report {VALIDATION} is unreadable ({e})"
     if rec is None:
-        return None if store.current() == version else "validation never ran on it (it has no validation.json)"
+        if store.current() != version:
+            return "validation never ran on it (it has no validation.json)"
+        try:
+            record = store.version_record(version)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and record.get("validated_before_publishing") is True:
+            return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
+        return None  # published before validation.json existed
     if rec.get("ok") is not True:
         failed = [c for c in rec.get("checks") or [] if not c.get("ok")]
         first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""

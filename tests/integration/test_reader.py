@@ -198,8 +198,17 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
     assert len(HiddenStateDataset(root, unvalidated="warn")) == 60
     assert "reading it anyway" in caplog.text
 
-    report.unlink()  # never ran: only a CURRENT of a store from before validation.json existed is trusted without
-    (root / "CURRENT").unlink()
+    report.unlink()  # deleted from a version published validated: refused, by name (a damage check found it read)
+    with pytest.raises(StoreError, match="validation report validation.json is missing .it was published validated"):
+        HiddenStateDataset(root)
+    assert cli(["verify", str(root)]) == 1
+    assert "validation.json is missing" in capsys.readouterr().out
+    record = root / version / "version.json"  # a version from before the flag: its CURRENT is trusted without it
+    flagged = record.read_text()
+    record.write_text(json.dumps({k: v for k, v in json.loads(flagged).items() if k != "validated_before_publishing"}))
+    assert len(HiddenStateDataset(root)) == 60
+    record.write_text(flagged)
+    (root / "CURRENT").unlink()  # not published: never ran
     with pytest.raises(StoreError, match="validation never ran"):
         HiddenStateDataset(root, version)
 

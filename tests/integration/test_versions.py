@@ -15,9 +15,9 @@ BASE = {"layers.preset": "explicit", "layers.ids": [1, 3], "extract.unit_tokens"
 
 
 def test_incremental_run_snapshots_the_published_version(tmp_path, model_dir):
-    first = extract_local(tmp_path, {**BASE, "data.max_samples": 30})
+    first = extract_local(tmp_path, {**BASE, "data.max_samples": 30}, validate=True)  # validated and published
     store = Store(tmp_path / "store")
-    store.set_current(first.plan.version)
+    assert store.current() == first.plan.version
     v1_units = store.units("v0001")
 
     second = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
