@@ -25,6 +25,7 @@ import torch
 
 def build(root: Path, precision: str, tokens: int, k: int, h: int) -> tuple[str, str]:
     from dflash_pipeline.calibration import _write_synthetic
+    from dflash_pipeline.storage import quant
     from dflash_pipeline.storage.layout import FORMAT_VERSION
     from dflash_pipeline.storage.store import Store
 
@@ -36,7 +37,7 @@ def build(root: Path, precision: str, tokens: int, k: int, h: int) -> tuple[str,
     ids = [f"s{i:06d}" for i in range(len(lengths))]
     store = Store(root / precision)
     prov = {"format_version": FORMAT_VERSION, "layer_ids": list(range(k)), "hidden_size": h, "capture_last": False}
-    prov |= {"logical_dtype": "bfloat16", "precision": precision, "compute_dtype": "bfloat16"}
+    prov |= {"logical_dtype": "bfloat16", **quant.precision_attrs(precision), "compute_dtype": "bfloat16"}
     version = store.resolve_version(prov, "bench", new_version=False, incremental=False)
 
     def fetch(rows):

@@ -35,7 +35,7 @@ from dflash_pipeline.storage.shardio import pid_alive
 from dflash_pipeline.storage.store import Store
 
 CALIBRATE_FORWARD_MAX_GIB = 2.0  # plan.calibration=auto runs the real target on the CPU up to this size
-CALIBRATION_VERSION = 1  # in the calibration's key: a change to how it is measured measures again
+CALIBRATION_VERSION = 2  # in the calibration's key: a change to how it is measured measures again (2: int8 group steps)
 
 
 def _pick(lengths: list[int], tokens: int, seed: int = 0) -> list[int]:
@@ -201,7 +201,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
         "hidden_size": report.hidden_size,
         "capture_last": report.capture_last,
         "logical_dtype": logical,
-        "precision": precision,
+        **quant.precision_attrs(precision),
         "compute_dtype": report.compute_dtype,
     }
     version = store.resolve_version(prov, prepared.fingerprint, new_version=False, incremental=False)

@@ -146,8 +146,9 @@ class ExtractConfig(Section):
     store_precision: Literal["full", "fp8", "int8", "int4"] = Field(
         "full",
         description="How hidden states are stored: 'full' (in store_dtype, bit-exact), 'fp8' (e4m3 with one "
-        "float32 scale per token row and layer: about half the bytes of bf16), 'int8' (symmetric, one float32 "
-        "scale per row), 'int4' (symmetric, two values a byte, one scale per group of 32 channels: 0.27 of bf16). "
+        "float32 scale per token row and layer: about half the bytes of bf16), 'int8' (symmetric, a step per group "
+        "of 32 channels: 0.52 of bf16, the closest compact precision), 'int4' (the same steps, two values a byte: "
+        "0.27 of bf16). "
         "Compact rows are quantized on the GPU and dequantized into store_dtype on read "
         "(docs/STORE.md, 'Compact precisions'); a store version holds one precision.",
     )

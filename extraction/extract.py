@@ -376,7 +376,7 @@ def _extract(
         first,
         pad_id,
         DTYPES[store_dtype][1],
-        cfg.store_precision,
+        quant.scheme(store.attrs(version)),  # the version's own scheme (its arrays were planned for it)
     )
     buffers_made.result()  # re-raises, e.g. too little shared memory
     for g in gpus:

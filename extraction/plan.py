@@ -13,6 +13,7 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
 from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
 from dflash_pipeline.storage.store import PlanResult, Store, UnitInfo
 
@@ -61,7 +62,7 @@ def target_identity(cfg: RunConfig, report: ProbeReport, logical_dtype: str) -> 
         "layer_convention": LAYER_CONVENTION,
         "capture_last": report.capture_last,
         "logical_dtype": logical_dtype,
-        "precision": cfg.extract.store_precision,
+        **quant.precision_attrs(cfg.extract.store_precision),  # precision (int8: and its layout)
         "compute_dtype": report.compute_dtype,
         # a quantized target: its format and how it ran (only then, so unquantized stores keep their identity)
         **({"target_quantization": report.quantization} if report.quantization else {}),

@@ -192,7 +192,7 @@ def validate_store(
     try:
         attrs = store.attrs(version)
         logical, k_ids, hidden_size = attrs["logical_dtype"], list(attrs["layer_ids"]), attrs["hidden_size"]
-        precision = attrs.get("precision", "full")
+        precision = quant.scheme(attrs)
         stored_rows = quant.row_shapes(precision, DTYPES[logical][0], len(k_ids), hidden_size)
     except Exception as e:  # noqa: BLE001 - damaged version attributes: nothing else can be checked
         report.add("version attributes readable", False, f"{type(e).__name__}: {e}")
@@ -376,7 +376,7 @@ def _quant_bound(precision: str, scale: torch.Tensor | None, ref: torch.Tensor) 
 @torch.inference_mode()
 def _recompute(store, version, attrs, where, cfg, model, device, report) -> None:
     logical, k_ids = attrs["logical_dtype"], attrs["layer_ids"]
-    precision = attrs.get("precision", "full")
+    precision = quant.scheme(attrs)
     tol = TOLERANCE[logical]
     picks = random.Random(cfg.seed).sample(sorted(where), min(cfg.recompute_samples, len(where)))
     layers = decoder_layers(model)

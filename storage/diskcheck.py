@@ -22,9 +22,10 @@ from pathlib import Path
 # one sequential stream; the store's writers add compression, several files at once, fsyncs and commit records, and
 # a fresh disk's speed varies. A margin, not a measurement: the fresh-disk run of issue 29 calibrates it.
 HEADROOM = 0.8
-# Best fidelity first: the recommendation is the first of these that keeps extraction GPU-bound. int8 is listed
-# but never preferred: it takes fp8's bytes, and its one scale per row loses the rest of a row that holds a massive
-# activation (tests/unit/test_quant.py: relative L2 0.81 there, fp8 0.027).
+# The recommendation is the first of these that keeps extraction GPU-bound. int8 is listed but not preferred: its
+# group steps make it the closest compact precision (relative L2 ~0.007 against fp8's ~0.026,
+# tests/unit/test_quant.py), but it takes more bytes than fp8 (0.516 of bf16 before Blosc, 0.5005) and fp8's
+# drafters were within noise of full precision's on the real-text target (bench/RESULTS.md, session 19).
 PREFERENCE = ("full", "fp8", "int4")
 BLOCK = 16 << 20  # bytes per write: a multiple of every O_DIRECT alignment, about a chunk of a shard
 

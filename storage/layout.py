@@ -39,6 +39,7 @@ READER_ATTRS = (
     "capture_last",
     "logical_dtype",
     "precision",
+    "int8_scales",
     "compute_dtype",
     "hidden_size",
     "num_layers",
@@ -62,7 +63,7 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
 
 def sharded_arrays(capture_last: bool, precision: str = "full") -> tuple[str, ...]:
     """The arrays a unit of this version writes shard by shard, in SHARDED_ARRAYS order: `hidden`, with a
-    compact precision its per-row scales `hidden_scale` (storage/quant.py), and the same for `last_hidden`."""
+    compact precision its scales `hidden_scale` (storage/quant.py), and the same for `last_hidden`."""
     names = ("hidden", "last_hidden") if capture_last else ("hidden",)
     if precision != "full":
         names += tuple(f"{n}_scale" for n in names)

@@ -1,34 +1,37 @@
-"""Compact hidden states: fp8 (e4m3) or int8 values with one float32 scale per token row and layer, or int4
-values with a scale per group of 32 channels.
+"""Compact hidden states: fp8 (e4m3) values with one float32 scale per token row and layer, or int8 / int4
+values with a step per group of 32 channels.
 
 `extract.store_precision` (docs/STORE.md, "Compact precisions"):
 - `full`: the values as computed, in the store dtype (bfloat16 on a GPU): what the store always held;
 - `fp8`: each row x of H values (one token, one layer) is stored as q = e4m3fn(x / s) with s = max|x| / 448
   (448 is e4m3fn's largest finite value), q's raw bits as uint8; x = q * s;
-- `int8`: q = round(x / s) clamped to [-127, 127] with s = max|x| / 127 (symmetric, no zero point); x = q * s;
-- `int4`: the row in groups of INT4_GROUP = 32 channels, each group g with its own step s_g: q = round(x / s_g)
-  in [-7, 7], two values a byte (even channel in the low nibble, 4-bit two's complement). The steps are two-level:
-  a float32 row reference R = max|x| / 7 and one byte c_g per group, s_g = R * 2^(-c_g / 16) (c_g the largest
-  code whose step still reaches the group's max|x| / 7: no value is clipped). So the group holding the row's
-  largest value (a massive activation) has s_g = R exactly and keeps that value to float32 rounding, and the
-  other groups' steps are within 2^(1/16) (4.4%) of their own max / 7 down to 2^-16 of the row's max. The scale
-  array holds per row the 4 bytes of R (little-endian float32) and then the codes: [..., 4 + ceil(H / 32)]
-  uint8. 0.266 of raw bf16 at H = 4096 or 5120 (0.5 + 1/32 byte a value, 4 bytes a row).
+- `int8` and `int4`: the row in groups of GROUP = 32 channels, each group g with its own step s_g: q = round(x /
+  s_g) in [-QMAX, QMAX] (127, 7; int4 two values a byte, even channel in the low nibble, 4-bit two's complement).
+  The steps are two-level: a float32 row reference R = max|x| / QMAX and one byte c_g per group, s_g = R *
+  2^(-c_g / 16) (c_g the largest code whose step still reaches the group's max|x| / QMAX: no value is clipped).
+  So the group holding the row's largest value (a massive activation) has s_g = R exactly and keeps that value to
+  float32 rounding, and the other groups' steps are within 2^(1/16) (4.4%) of their own max / QMAX down to 2^-16 of
+  the row's max. The scale array holds per row the 4 bytes of R (little-endian float32) and then the codes:
+  [..., 4 + ceil(H / 32)] uint8. int4: 0.266 of raw bf16 at H = 4096 or 5120 (0.5 + 1/32 byte a value, 4 bytes a
+  row); int8: 0.516.
+- `int8-row` (INT8_ROW): the int8 of versions written before int8 took group steps (no root attribute
+  `int8_scales`): q = round(x / s) clamped to [-127, 127], s = max|x| / 127 one float32 per row. Read, validated
+  and never written for a new version: one step per row makes a massive activation's row lose every other channel
+  (tests/unit/test_quant.py). `scheme(attrs)` says which of these a version holds.
 
-The fp8 / int8 scale is float32, not bf16: it is 4 bytes per row of H bytes (0.1% of an 8B-class row, H = 4096),
-and a bf16 scale would add up to 0.4% of relative error to every value of its row, as much as int8's own
-rounding. float32 also decodes with plain numpy. An all-zero row gets s = 0 (and q = 0); a row with a NaN or an
-infinity gets a non-finite scale (int4: R = NaN), so its dequantized values are non-finite and validation
-reports them.
+The fp8 scale is float32, not bf16: it is 4 bytes per row of H bytes (0.1% of an 8B-class row, H = 4096), and a
+bf16 scale would add up to 0.4% of relative error to every value of its row. float32 also decodes with plain numpy.
+An all-zero row gets s = 0 (and q = 0); a row with a NaN or an infinity gets a non-finite scale (grouped: R = NaN),
+so its dequantized values are non-finite and validation reports them.
 
 Quantization runs where the rows are, in float32: on the GPU in the extraction worker, before the copy to
-host memory, so the host and the writers see half the bytes of bf16 (a quarter with int4).
+host memory, so the host and the writers see about half the bytes of bf16 (a quarter with int4).
 
-Error bound per row, used by validation (`error_bound`): int8 rounds to the nearest step, so every element is
-off by at most s / 2 and the row by at most sqrt(H) * s / 2 (L2); int4 likewise per group: at most
-sqrt(sum_g n_g * s_g^2) / 2 (n_g the group's channels). fp8 e4m3 keeps 3 mantissa bits: a value in the normal
-range (|x / s| >= 2^-6) is off by at most 2^-4 of itself, one in the subnormal range by at most half the
-smallest step, s * 2^-10; so the row is off by at most 2^-4 * |x| + sqrt(H) * s * 2^-10 (L2).
+Error bound per row, used by validation (`error_bound`): int8 / int4 round to the nearest step, so every element
+is off by at most s_g / 2 and the row by at most sqrt(sum_g n_g * s_g^2) / 2 (L2; n_g the group's channels; one
+group of H for int8-row). fp8 e4m3 keeps 3 mantissa bits: a value in the normal range (|x / s| >= 2^-6) is off by
+at most 2^-4 of itself, one in the subnormal range by at most half the smallest step, s * 2^-10; so the row is off
+by at most 2^-4 * |x| + sqrt(H) * s * 2^-10 (L2).
 """
 
 from __future__ import annotations
@@ -39,21 +42,25 @@ import sys
 import numpy as np
 import torch
 
-PRECISIONS = ("full", "fp8", "int8", "int4")
-QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+PRECISIONS = ("full", "fp8", "int8", "int4")  # what extract.store_precision takes
+INT8_ROW = "int8-row"  # the scheme of int8 versions written before int8 took group steps (read, never written)
+QMAX = {"fp8": 448.0, INT8_ROW: 127.0, "int8": 127.0, "int4": 7.0}
+GROUPED = ("int8", "int4")  # the schemes with a step per group of GROUP channels (scale bytes: R + codes)
 # The Zarr data type of the quantized values: fp8 as its raw bits (numpy has no float8), int8 as is, int4 two
 # values a byte.
-STORED = {"fp8": np.dtype("uint8"), "int8": np.dtype("int8"), "int4": np.dtype("uint8")}
-STORED_TORCH = {"fp8": torch.uint8, "int8": torch.int8, "int4": torch.uint8}
-SCALE_DTYPE = np.dtype("float32")  # fp8 / int8; int4's scale array is uint8 (INT4_SCALE_HEADER + codes)
+STORED = {"fp8": np.dtype("uint8"), INT8_ROW: np.dtype("int8"), "int8": np.dtype("int8"), "int4": np.dtype("uint8")}
+STORED_TORCH = {"fp8": torch.uint8, INT8_ROW: torch.int8, "int8": torch.int8, "int4": torch.uint8}
+SCALE_DTYPE = np.dtype("float32")  # fp8 / int8-row; the grouped schemes' scale array is uint8 (SCALE_HEADER + codes)
 # Arrays holding each captured array's scales (same token axis and shards as the data).
 SCALE_OF = {"hidden": "hidden_scale", "last_hidden": "last_hidden_scale"}
+# The root attribute that marks an int8 version's group steps (versions without it hold INT8_ROW)
+INT8_SCALES_ATTR, INT8_SCALES = "int8_scales", "group32"
 
-INT4_GROUP = 32  # channels sharing one step
-INT4_SCALE_HEADER = 4  # bytes of the row reference R (float32, little-endian) before the group codes
+GROUP = 32  # channels sharing one step
+SCALE_HEADER = 4  # bytes of the row reference R (float32, little-endian) before the group codes
 # Step of group code c relative to the row reference: float32(2^(-c / 16)), c = 0..255 (decreasing).
-INT4_STEPS = (2.0 ** (-np.arange(256) / 16)).astype(np.float32)
-assert sys.byteorder == "little", "the int4 row reference is stored as the host's float32 bytes"
+STEPS = (2.0 ** (-np.arange(256) / 16)).astype(np.float32)
+assert sys.byteorder == "little", "the row reference of the grouped schemes is stored as the host's float32 bytes"
 
 
 def check_precision(precision: str) -> str:
@@ -64,27 +71,47 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def int4_groups(hidden: int) -> int:
-    """Groups of an int4 row of `hidden` channels (the last one partial when INT4_GROUP does not divide it)."""
-    if hidden % 2:
+def precision_attrs(precision: str) -> dict[str, str]:
+    """The root attributes that say which scheme a new version of `precision` holds."""
+    return {"precision": precision, **({INT8_SCALES_ATTR: INT8_SCALES} if precision == "int8" else {})}
+
+
+def scheme(attrs: dict) -> str:
+    """The scheme a version's values are stored in, from its root attributes: its `precision` (absent: full), and
+    for int8 INT8_ROW unless `int8_scales` says group steps."""
+    precision = attrs.get("precision", "full")
+    if precision != "int8":
+        return precision
+    marked = attrs.get(INT8_SCALES_ATTR)
+    if marked is None:
+        return INT8_ROW
+    if marked != INT8_SCALES:
+        raise ValueError(f"root attribute {INT8_SCALES_ATTR}={marked!r} is not {INT8_SCALES!r} (the only int8 layout)")
+    return "int8"
+
+
+def groups(hidden: int, precision: str = "int8") -> int:
+    """Groups of a grouped row of `hidden` channels (the last one partial when GROUP does not divide it)."""
+    if precision == "int4" and hidden % 2:
         raise ValueError(
             f"store precision 'int4' packs two values a byte and needs an even hidden size, the target's is "
             f"{hidden}: set extract.store_precision to fp8 or int8"
         )
-    return -(-hidden // INT4_GROUP)
+    return -(-hidden // GROUP)
 
 
 def row_shapes(precision: str, logical: np.dtype, k: int, hidden: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Per-token shape and Zarr dtype of each sharded array (docs/STORE.md): `hidden` [K, H'], `last_hidden` [H'],
-    and in a compact precision `hidden_scale` [K, ...] and `last_hidden_scale` [...]. `logical` is the stored
-    dtype of precision 'full'."""
+    and in a compact scheme `hidden_scale` [K, ...] and `last_hidden_scale` [...]. `logical` is the stored dtype
+    of precision 'full'."""
     if precision == "full":
         return {"hidden": ((k, hidden), logical), "last_hidden": ((hidden,), logical)}
-    if precision == "int4":
-        cols, scale = (hidden // 2,), (INT4_SCALE_HEADER + int4_groups(hidden),)
-        dtype, sdtype = STORED["int4"], np.dtype("uint8")
+    if precision in GROUPED:
+        cols = (hidden // 2,) if precision == "int4" else (hidden,)
+        scale, sdtype = (SCALE_HEADER + groups(hidden, precision),), np.dtype("uint8")
     else:
-        cols, scale, dtype, sdtype = (hidden,), (), STORED[precision], SCALE_DTYPE
+        cols, scale, sdtype = (hidden,), (), SCALE_DTYPE
+    dtype = STORED[precision]
     return {
         "hidden": ((k, *cols), dtype),
         "last_hidden": (cols, dtype),
@@ -97,16 +124,18 @@ def row_bytes(precision: str, hidden: int, logical_itemsize: int = 2) -> int:
     """Uncompressed bytes of one stored row (one token of one layer: H values) and its scale."""
     if precision == "full":
         return hidden * logical_itemsize
-    if precision == "int4":
-        return hidden // 2 + INT4_SCALE_HEADER + int4_groups(hidden)
-    return hidden + SCALE_DTYPE.itemsize
+    values = hidden // 2 if precision == "int4" else hidden
+    if precision in GROUPED:
+        return values + SCALE_HEADER + groups(hidden, precision)
+    return values + SCALE_DTYPE.itemsize
 
 
 def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [..., H] (any float dtype, any device) -> (q, scale) on x's device: fp8 / int8: q [..., H] (uint8
-    bits of e4m3fn, or int8), scale [...] float32; int4: q [..., H/2] uint8, scale [..., 4 + ceil(H/32)] uint8."""
-    if precision == "int4":
-        return _quantize_int4(x)
+    """Rows x [..., H] (any float dtype, any device) -> (q, scale) on x's device: fp8 / int8-row: q [..., H]
+    (uint8 bits of e4m3fn, or int8), scale [...] float32; int8: q [..., H] int8, int4: q [..., H/2] uint8, both
+    with scale [..., 4 + ceil(H/32)] uint8."""
+    if precision in GROUPED:
+        return _quantize_grouped(x, precision)
     amax = _absmax(x)
     scale = amax / QMAX[precision]
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).unsqueeze(-1)
@@ -133,23 +162,24 @@ _STEPS_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _steps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(INT4_STEPS, the same increasing) as tensors on `device`."""
+    """(STEPS, the same increasing) as tensors on `device`."""
     if device not in _STEPS_ON:
-        t = torch.from_numpy(INT4_STEPS).to(device)
+        t = torch.from_numpy(STEPS).to(device)
         _STEPS_ON[device] = (t, t.flip(0).contiguous())
     return _STEPS_ON[device]
 
 
-def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Few passes over the rows (the quantization runs inside the extraction worker's budget, issue 29: <= 2% of
     the forward): the group maxima in one pass over x as it is (bf16 on a GPU: a max is exact in any dtype), one
-    division computed in float32 from x's own values (no float32 copy of the rows), rounding into int8 and the
-    packing in bytes."""
+    division computed in float32 from x's own values (no float32 copy of the rows), rounding into int8 and, for
+    int4, the packing in bytes."""
+    qmax = QMAX[precision]
     *lead, h = x.shape
-    n_groups = int4_groups(h)
-    if n_groups * INT4_GROUP != h:  # zeros complete the last group: they change no group's max
-        x = torch.nn.functional.pad(x, (0, n_groups * INT4_GROUP - h))
-    xg = x.view(*lead, n_groups, INT4_GROUP)
+    n_groups = groups(h, precision)
+    if n_groups * GROUP != h:  # zeros complete the last group: they change no group's max
+        x = torch.nn.functional.pad(x, (0, n_groups * GROUP - h))
+    xg = x.view(*lead, n_groups, GROUP)
     gmax = _absmax(xg)  # [..., groups]
     amax = gmax.amax(-1)
     bad = ~torch.isfinite(amax)  # NaN / inf: R = NaN, so the whole row decodes to NaN
@@ -158,21 +188,25 @@ def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ratio = torch.where(amax.unsqueeze(-1) > 0, gmax / amax.unsqueeze(-1), torch.zeros_like(gmax))
     # the largest code whose step is at least the group's share of the row's max: 255 - #(steps < ratio)
     codes = (255 - torch.searchsorted(increasing, ratio.contiguous())).clamp_(0, 255)
-    ref = amax / QMAX["int4"]
+    ref = amax / qmax
     step = ref.unsqueeze(-1) * steps[codes]
     step = torch.where(step == 0, torch.ones_like(step), step)  # an all-zero row: 0 / 1 = 0 (groups, not values)
     y = xg / step.unsqueeze(-1)  # bf16 / float32: each value widened exactly, divided in float32
     del x, xg
     if any_bad:  # only then can y hold NaN or an infinity (0 / 0, x / inf)
-        y.nan_to_num_(0.0, 7.0, -7.0)
-    # No clamp needed: a group's step is at least its max / 7 (up to float32 rounding), so |round(y)| <= 7
-    q = y.round_().to(torch.int8).view(torch.uint8).view(*lead, n_groups * INT4_GROUP)[..., :h]
-    packed = (q[..., 0::2] & 15) | (q[..., 1::2] << 4)  # 4-bit two's complement, even channel low
+        y.nan_to_num_(0.0, qmax, -qmax)
+    # No clamp needed: a group's step is at least its max / qmax (up to float32 rounding), so |round(y)| <= qmax
+    q = y.round_().to(torch.int8).view(*lead, n_groups * GROUP)[..., :h]
+    if precision == "int4":
+        q = q.view(torch.uint8)
+        q = (q[..., 0::2] & 15) | (q[..., 1::2] << 4)  # 4-bit two's complement, even channel low
+    else:
+        q = q.contiguous()
     if any_bad:
         ref = torch.where(bad, torch.full_like(ref, math.nan), ref)
         codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
     header = ref.contiguous().unsqueeze(-1).view(torch.uint8)  # [..., 4]: R's float32 bytes
-    return packed, torch.cat([header, codes.to(torch.uint8)], -1)
+    return q, torch.cat([header, codes.to(torch.uint8)], -1)
 
 
 def dequantize(q, scale, precision: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -181,8 +215,8 @@ def dequantize(q, scale, precision: str, dtype: torch.dtype = torch.float32) -> 
     numpy arrays (what the reader gets from zarr) are decoded on the CPU: fp8 through a 256-entry table and
     scaled in place (two passes over float32, about 1.7x faster here than torch's own float8 conversion on the
     CPU); tensors (e.g. on a GPU) through torch. Both give the same bits."""
-    if precision == "int4":
-        return _dequantize_int4(q, scale).to(dtype)
+    if precision in GROUPED:
+        return _dequantize_grouped(q, scale, precision).to(dtype)
     if isinstance(q, np.ndarray):
         vals = _E4M3[q] if precision == "fp8" else q.astype(np.float32)
         vals *= np.asarray(scale, dtype=np.float32)[..., None]
@@ -191,28 +225,34 @@ def dequantize(q, scale, precision: str, dtype: torch.dtype = torch.float32) -> 
     return (vals * scale.float().unsqueeze(-1)).to(dtype)
 
 
-def int4_steps(scale) -> np.ndarray | torch.Tensor:
-    """The groups' steps [..., groups] (float32) of int4 scale bytes [..., 4 + groups]: R * 2^(-c / 16)."""
+def group_steps(scale) -> np.ndarray | torch.Tensor:
+    """The groups' steps [..., groups] (float32) of grouped scale bytes [..., 4 + groups]: R * 2^(-c / 16)."""
     if isinstance(scale, np.ndarray):
-        ref = np.ascontiguousarray(scale[..., :INT4_SCALE_HEADER]).view("<f4")
-        return ref * INT4_STEPS[scale[..., INT4_SCALE_HEADER:]]
-    ref = scale[..., :INT4_SCALE_HEADER].reshape(-1).view(torch.float32).view(*scale.shape[:-1], 1)
-    return ref * _steps(scale.device)[0][scale[..., INT4_SCALE_HEADER:].long()]
+        ref = np.ascontiguousarray(scale[..., :SCALE_HEADER]).view("<f4")
+        return ref * STEPS[scale[..., SCALE_HEADER:]]
+    ref = scale[..., :SCALE_HEADER].reshape(-1).view(torch.float32).view(*scale.shape[:-1], 1)
+    return ref * _steps(scale.device)[0][scale[..., SCALE_HEADER:].long()]
 
 
-def _dequantize_int4(q, scale) -> torch.Tensor:
-    h = 2 * q.shape[-1]
-    assert scale.shape[-1] == INT4_SCALE_HEADER + int4_groups(h), (q.shape, scale.shape)
-    step = int4_steps(scale)
-    if isinstance(q, np.ndarray):  # the numpy decoder of docs/STORE.md
-        b = q.astype(np.int16)
-        lo, hi = ((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8  # 4-bit two's complement
-        vals = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], h).astype(np.float32)
-        vals *= np.repeat(step, INT4_GROUP, axis=-1)[..., :h]
+def _dequantize_grouped(q, scale, precision: str) -> torch.Tensor:
+    h = 2 * q.shape[-1] if precision == "int4" else q.shape[-1]
+    assert scale.shape[-1] == SCALE_HEADER + groups(h, precision), (q.shape, scale.shape)
+    step = group_steps(scale)
+    if isinstance(q, np.ndarray):  # the numpy decoders of docs/STORE.md
+        if precision == "int4":
+            b = q.astype(np.int16)
+            lo, hi = ((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8  # 4-bit two's complement
+            vals = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], h).astype(np.float32)
+        else:
+            vals = q.astype(np.float32)
+        vals *= np.repeat(step, GROUP, axis=-1)[..., :h]
         return torch.from_numpy(vals)
-    b = q.to(torch.int16)
-    vals = torch.stack([((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8], -1).view(*q.shape[:-1], h).float()
-    return vals * step.repeat_interleave(INT4_GROUP, -1)[..., :h]
+    if precision == "int4":
+        b = q.to(torch.int16)
+        vals = torch.stack([((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8], -1).view(*q.shape[:-1], h).float()
+    else:
+        vals = q.float()
+    return vals * step.repeat_interleave(GROUP, -1)[..., :h]
 
 
 def e4m3fn_table() -> np.ndarray:
@@ -232,15 +272,15 @@ _E4M3 = e4m3fn_table()
 
 def error_bound(precision: str, scale, values: torch.Tensor) -> float:
     """Largest L2 norm the quantization error of these rows can have (see the module doc): `scale` the rows'
-    stored scales ([N] float32; int4: [N, 4 + groups] uint8), `values` [N, H] the true (or recomputed) rows."""
+    stored scales ([N] float32; grouped: [N, 4 + groups] uint8), `values` [N, H] the true (or recomputed) rows."""
     h = values.shape[-1]
-    if precision == "int4":
-        step = torch.as_tensor(int4_steps(scale)).double().cpu()
-        n = torch.full((step.shape[-1],), float(INT4_GROUP), dtype=torch.float64)
-        n[-1] = h - INT4_GROUP * (step.shape[-1] - 1)  # the last group may be partial
+    if precision in GROUPED:
+        step = torch.as_tensor(group_steps(scale)).double().cpu()
+        n = torch.full((step.shape[-1],), float(GROUP), dtype=torch.float64)
+        n[-1] = h - GROUP * (step.shape[-1] - 1)  # the last group may be partial
         return float((n * (step / 2).pow(2)).sum().sqrt())
     s = torch.as_tensor(scale).double()
-    if precision == "int8":
+    if precision == INT8_ROW:
         return math.sqrt(h) * float((s / 2).pow(2).sum().sqrt())
     if precision == "fp8":
         return 2.0**-4 * float(values.double().norm()) + math.sqrt(h) * float((s * 2.0**-10).pow(2).sum().sqrt())

@@ -143,7 +143,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             log.warning("%s; reading it anyway (unvalidated='warn')", msg)
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]
-        self.precision = self.attrs.get("precision", "full")  # fp8 / int8 / int4: dequantized on read
+        self.precision = quant.scheme(self.attrs)  # fp8 / int8 / int4 (/ int8-row): dequantized on read
         self.dequantize = dequantize or self.precision == "full"
         self.logical_torch = DTYPES[self.logical][1]  # the dtype of the values this dataset stands for
         self.layer_ids: list[int] = self.attrs["layer_ids"]

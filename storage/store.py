@@ -45,6 +45,7 @@ IDENTITY_KEYS = (
     "capture_last",
     "logical_dtype",
     "precision",
+    "int8_scales",
     "hidden_size",
     "format_version",
     "target_quantization",
@@ -278,7 +279,10 @@ class Store:
             write
             and attrs.get("format_version") == FORMAT_VERSION
             and recorded != want
-            and all(k in provenance and digest.of_attr(provenance[k]) == want.get(k) for k in READER_ATTRS)
+            # (an attribute that only some versions have, e.g. int8_scales: absent from both is equal)
+            and all(
+                digest.of_attr(provenance[k]) == want.get(k) if k in provenance else k not in want for k in READER_ATTRS
+            )
         ):
             log.warning(
                 "store version %s: its version record %s was %s; every attribute it covers equals this run's "
@@ -473,7 +477,7 @@ class Store:
         existing = self.units(version)
         next_no = int(existing[-1][1:]) + 1 if existing else 0
         k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
-        precision = attrs.get("precision", "full")
+        precision = quant.scheme(attrs)
         new_units = []
         row, stored = quant.row_shapes(precision, DTYPES[logical][0], k, hidden)["hidden"]
         for gi, members in enumerate(groups):
@@ -559,7 +563,7 @@ class Store:
                 len(attrs["layer_ids"]),
                 attrs["hidden_size"],
                 attrs.get("capture_last", False),
-                attrs.get("precision", "full"),
+                quant.scheme(attrs),
             )
         return sorted(damaged)
 

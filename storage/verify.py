@@ -26,7 +26,7 @@ from typing import Any
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.progress import counted
-from dflash_pipeline.storage import digest, retention
+from dflash_pipeline.storage import digest, quant, retention
 from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
 from dflash_pipeline.storage.store import Store
 
@@ -351,7 +351,7 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
     report.problems += check_version_attrs(store, version)
     try:
         attrs = store.attrs(version)
-        capture_last, precision = bool(attrs.get("capture_last")), attrs.get("precision", "full")
+        capture_last, precision = bool(attrs.get("capture_last")), quant.scheme(attrs)
     except Exception:  # noqa: BLE001 - reported above
         capture_last, precision = False, "full"
     units = sorted(set(store.units(version)) | set(store.planned_units(version)))

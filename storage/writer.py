@@ -223,7 +223,7 @@ class UnitWriter:
         g = self.loc.open_group(mode="r+")
         attrs = dict(g.attrs)
         assert attrs.get("planned"), f"unit {self.loc.url} was never fully planned"
-        # The arrays written shard by shard (hidden; its per-row scales in a compact precision; last_hidden and
+        # The arrays written shard by shard (hidden; its scales in a compact precision; last_hidden and
         # its scales when captured), each with the fast shard writer when its codec chain allows.
         self.arrays = {a: g[a] for a in SHARDED_ARRAYS if a in g}
         self.hidden = self.arrays["hidden"]

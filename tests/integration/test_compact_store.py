@@ -83,15 +83,16 @@ def _documented(marker: str, **given) -> dict:
     return space
 
 
-def _documented_decode(precision: str, q: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """docs/STORE.md, "Compact precisions": stored values and scales -> float32, with numpy only."""
-    if precision == "int4":
-        return _documented("def decode_int4")["decode_int4"](q, s)
+def _documented_decode(scheme: str, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """docs/STORE.md, "Compact precisions": stored values and scales -> float32, with numpy only (scheme: the
+    version's precision, and int8-row for an int8 version without the `int8_scales` attribute)."""
+    if scheme in ("int8", "int4"):
+        return _documented("def decode_int4")[f"decode_{scheme}"](q, s)
     b = np.arange(256)
     e, m = (b >> 3) & 0xF, b & 0x7
     table = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7.0))
     table = np.where((b & 0x7F) == 0x7F, np.nan, np.where(b & 0x80, -table, table)).astype(np.float32)
-    values = table[q] if precision == "fp8" else q.astype(np.float32)
+    values = table[q] if scheme == "fp8" else q.astype(np.float32)
     return values * s[..., None]
 
 
@@ -108,11 +109,12 @@ def _decode_as_documented(version_dir: Path) -> dict[str, np.ndarray]:
                 continue
             q = unit["hidden"][start : start + length]
             s = unit["hidden_scale"][start : start + length]
-            out[sid] = _documented_decode(g.attrs["precision"], q, s)
+            grouped = g.attrs["precision"] != "int8" or g.attrs.get("int8_scales") == "group32"
+            out[sid] = _documented_decode(g.attrs["precision"] if grouped else quant.INT8_ROW, q, s)
     return out
 
 
-@pytest.mark.parametrize("precision", COMPACT)
+@pytest.mark.parametrize("precision", [*COMPACT, quant.INT8_ROW])
 def test_the_documented_rounding_into_bfloat16_is_the_readers(precision):
     """A GPU extraction's store dequantizes into bfloat16: docs/STORE.md's float32 decode, then its numpy rounding
     to bf16 bits, gives the bits the reader returns (its numpy path, the CPU's) and training computes (torch's)."""
@@ -154,7 +156,7 @@ def test_e4m3_table_is_torchs_float8_e4m3fn():
 def test_nonfinite_and_zero_rows_stay_visible():
     """A NaN or infinite row dequantizes to non-finite values (validation reports them), a zero row to zeros."""
     x = torch.tensor([[0.0, 0.0, 0.0], [1.0, math.nan, 2.0], [math.inf, 1.0, 0.0], [3.0, -4.0, 0.5]])
-    for p in ("fp8", "int8"):
+    for p in ("fp8", "int8", quant.INT8_ROW):
         back = quant.dequantize(*quant.quantize(x, p), p)
         assert torch.equal(back[0], torch.zeros(3)) and not torch.isfinite(back[1:3]).all(-1).any()
         assert torch.isfinite(back[3]).all() and back[3, 1] == -4.0
@@ -214,6 +216,30 @@ def test_another_precision_never_mixes_into_a_version(stores):
     assert store.attrs(stores["fp8"].plan.version)["precision"] == "fp8"
 
 
+def test_an_older_int8_store_is_read_validated_and_never_extended(stores, tmp_path, monkeypatch):
+    """An int8 version from before int8 took group steps (no `int8_scales` attribute: one float32 scale per row;
+    written here by today's code in that scheme) is read, decoded as docs/STORE.md says and validated as such; a
+    run with store_precision int8 refuses to extend it (another identity), as the documented message says."""
+    monkeypatch.setattr(quant, "precision_attrs", lambda p: {"precision": p})
+    old = extract_local(tmp_path / "old", {**OVERRIDES, "extract.store_precision": "int8"}, validate=True)
+    monkeypatch.undo()
+    assert old.validation.ok and old.validation.recomputed, old.validation.failures
+    ds, full = HiddenStateDataset(old.store), HiddenStateDataset(stores["full"].store, stores["full"].plan.version)
+    assert ds.precision == quant.INT8_ROW and "int8_scales" not in ds.attrs
+    decoded = _decode_as_documented(Path(old.store) / old.plan.version)
+    for i in range(len(ds)):
+        item = ds[i]
+        u, sl = ds.samples[i].unit, slice(ds.samples[i].start, ds.samples[i].start + ds.samples[i].length)
+        scale = Store(old.store).open_unit(old.plan.version, u)["hidden_scale"][sl]
+        assert scale.dtype == np.float32 and scale.shape[1:] == (3,)
+        np.testing.assert_array_equal(decoded[item["sample_id"]], item["hidden"].numpy())
+        ref = full[full.index_of(item["sample_id"])]["hidden"][:, 0]
+        bound = quant.error_bound(quant.INT8_ROW, torch.from_numpy(scale[:, 0]), ref)
+        assert float((item["hidden"][:, 0] - ref).norm()) <= bound * (1 + 1e-5) + 1e-6
+    with pytest.raises(StoreError, match="int8_scales: store has None, this run has 'group32'"):
+        extract_local(tmp_path / "old", {**OVERRIDES, "extract.store_precision": "int8"})
+
+
 @pytest.mark.parametrize("precision", COMPACT)
 def test_training_dequantizes_on_its_device_to_the_readers_values(stores, precision):
     """Training reads a compact store as stored (half the bytes to its device, no CPU decoding) and dequantizes
@@ -223,7 +249,7 @@ def test_training_dequantizes_on_its_device_to_the_readers_values(stores, precis
     store, version = stores[precision].store, stores[precision].plan.version  # (a later version may exist)
     raw, deq = HiddenStateDataset(store, version, dequantize=False), HiddenStateDataset(store, version)
     bq, b = collate([raw[i] for i in range(4)]), collate([deq[i] for i in range(4)])
-    scale_dtype = torch.uint8 if precision == "int4" else torch.float32
+    scale_dtype = torch.float32 if precision == "fp8" else torch.uint8
     assert bq["hidden"].dtype == quant.STORED_TORCH[precision] and bq["hidden_scale"].dtype == scale_dtype
     for name in ("hidden", "last_hidden"):
         assert torch.equal(states(bq, name, precision, raw.logical_torch, torch.float32), b[name].float())

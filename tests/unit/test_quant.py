@@ -65,8 +65,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 EXPECTED = {  # precision: (ordinary rows, massive channels, the rest of massive rows)
     "full": (2.0**-8, 2.0**-8, 2.0**-8),
     "fp8": (0.04, 0.04, 0.05),
-    "int8": (0.02, 0.004, None),  # the rest of a massive row: see test_int8_loses_the_rest_of_a_massive_row
+    "int8": (0.01, 0.002, 0.1),
     "int4": (0.15, 0.03, 0.19),
+    quant.INT8_ROW: (0.02, 0.004, None),  # the rest of a massive row: see test_one_step_per_row_loses_...
 }
 
 
@@ -97,23 +98,28 @@ def test_round_trip_within_the_bound_with_massive_activations(precision, device)
         assert rest <= want[2]
 
 
-def test_int8_loses_the_rest_of_a_massive_row():
-    """One scale per row: a channel 1000x the median makes int8's step larger than most other values of its row,
-    so they round to 0 (the measured error, printed with -s). fp8 keeps them (3 mantissa bits at any scale) and
-    int4 (a step per group of 32 channels) loses only the massive channel's own group."""
+def test_one_step_per_row_loses_the_rest_of_a_massive_row():
+    """One scale per row (int8-row, the int8 of older versions): a channel 1000x the median makes the step larger
+    than most other values of its row, so they round to 0 (the measured error, printed with -s). fp8 keeps them (3
+    mantissa bits at any scale); int8 and int4 (a step per group of 32 channels) lose only the massive channels'
+    own groups. int8's steps are never coarser than int8-row's, so it is at least as close on every value."""
     x, massive = rows()
     keep = torch.ones(x.shape[1], dtype=torch.bool)
     keep[list(MASSIVE)] = False  # (h = H here)
-    errs = {}
-    for p in ("fp8", "int8", "int4"):
-        back, _ = round_trip(x, p, "cpu")
-        errs[p] = rel(back[massive][:, keep], x[massive][:, keep])
+    errs, back = {}, {}
+    for p in ("fp8", quant.INT8_ROW, "int8", "int4"):
+        back[p], _ = round_trip(x, p, "cpu")
+        errs[p] = rel(back[p][massive][:, keep], x[massive][:, keep])
     print(f"\nthe rest of massive rows, relative L2: {errs}")
-    assert errs["int8"] > 0.5 > 0.2 > errs["int4"] > errs["fp8"]
+    assert errs[quant.INT8_ROW] > 0.5 > 0.2 > errs["int4"] > 0.1 > errs["int8"] > errs["fp8"]
+    _, row_step = quant.quantize(x, quant.INT8_ROW)
+    _, grouped = quant.quantize(x, "int8")
+    assert (quant.group_steps(grouped) <= row_step.unsqueeze(-1) * (1 + 1e-6)).all()
+    assert ((back["int8"] - x).abs() <= row_step.unsqueeze(-1) / 2 * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("precision", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp8", quant.INT8_ROW, "int8", "int4"])
 def test_numpy_and_torch_decoders_agree_bit_for_bit(precision, device):
     """The reader decodes with numpy on the CPU, training with torch on its device: the same bits."""
     x, _ = rows(64, 200)  # 200: int4's last group holds 8 channels
@@ -135,16 +141,30 @@ def test_int4_format_as_documented():
     q, s = quant.quantize(x, "int4")
     assert q[0, 0] == 0xF7 and q[0, 1] == 0x03  # channel 0 (7) low, channel 1 (-1 = 0xF) high; channel 2 (3)
     assert np.frombuffer(s[0, :4].numpy().tobytes(), "<f4")[0] == 1.0  # R = max|x| / 7
-    assert s[0, 4] == 0 and quant.INT4_STEPS[s[0, 5]] >= 0.5 / 7 > quant.INT4_STEPS[s[0, 5] + 1]
+    assert s[0, 4] == 0 and quant.STEPS[s[0, 5]] >= 0.5 / 7 > quant.STEPS[s[0, 5] + 1]
     back = quant.dequantize(q, s, "int4")
     assert back[0, 0] == 7.0 and back[0, 1] == -1.0 and back[0, 2] == 3.0  # the max group's step is R exactly
-    assert abs(float(back[0, 33]) - 0.5) <= quant.INT4_STEPS[s[0, 5]] / 2
+    assert abs(float(back[0, 33]) - 0.5) <= quant.STEPS[s[0, 5]] / 2
+
+
+def test_int8_format_as_documented():
+    """docs/STORE.md, "int8 and int4": one int8 a channel, R = max|x| / 127 in the scale's first 4 bytes, a code per
+    group of 32 channels; the group holding the row's max decodes it exactly, another within half its step."""
+    x = torch.zeros(1, 40)
+    x[0, 1], x[0, 2], x[0, 35] = -254.0, 3.0, 0.5  # group 0: max 254 (R = 2), group 1 (8 channels): max 0.5
+    q, s = quant.quantize(x, "int8")
+    assert q.dtype == torch.int8 and q.shape == (1, 40) and s.shape == (1, 4 + 2) and s.dtype == torch.uint8
+    assert q[0, 1] == -127 and q[0, 2] == 2  # 3 / 2 = 1.5 rounds to even
+    assert np.frombuffer(s[0, :4].numpy().tobytes(), "<f4")[0] == 2.0 and s[0, 4] == 0
+    assert quant.STEPS[s[0, 5]] >= 0.5 / 254 > quant.STEPS[s[0, 5] + 1]
+    back = quant.dequantize(q, s, "int8")
+    assert back[0, 1] == -254.0 and back[0, 2] == 4.0 and abs(float(back[0, 35]) - 0.5) <= 2 * quant.STEPS[s[0, 5]] / 2
 
 
 def test_int4_never_stores_minus_8():
     """The quantizer relies on every group's step reaching its max / 7 instead of clamping: over rows built to
     stress the rounding (values at and just under each group's max, massive channels, tiny groups beside huge
-    ones, bf16 inputs) no nibble is 0x8 (-8, outside the format's [-7, 7])."""
+    ones, bf16 inputs) no nibble is 0x8 (-8, outside the format's [-7, 7]), and no int8 is -128."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4096, 256, generator=g) * torch.logspace(-6, 4, 4096).unsqueeze(1)
     x[::3, ::32] = x[::3].abs().amax(-1, keepdim=True) * (1 - 1e-7)  # at the row max in every group
@@ -152,13 +172,14 @@ def test_int4_never_stores_minus_8():
     for rows in (x, x.bfloat16(), -x):
         q, _ = quant.quantize(rows, "int4")
         assert not ((q & 15) == 8).any() and not ((q >> 4) == 8).any()
+        assert not (quant.quantize(rows, "int8")[0] == -128).any()  # int8's range is [-127, 127] the same way
 
 
 def test_int4_steps_table_is_exact_and_portable():
     """STEP[c] = float32(2^(-c/16)): exact powers of two every 16 codes, decreasing, and each float64 value far
     enough from a float32 rounding midpoint that any libm's 2.0 ** x rounds to the same float32 (a reader in
     another language computes the same table)."""
-    t = quant.INT4_STEPS
+    t = quant.STEPS
     assert t.dtype == np.float32 and t[0] == 1.0 and (np.diff(t) < 0).all()
     assert all(t[16 * k] == 2.0**-k for k in range(16))
     v = 2.0 ** (-np.arange(256) / 16)
@@ -200,20 +221,22 @@ def test_int4_of_bf16_rows_is_int4_of_their_float32_values():
     qb, sb = quant.quantize(xb, "int4")
     qf, sf = quant.quantize(xb.float(), "int4")
     assert torch.equal(qb, qf) and torch.equal(sb, sf)
-    ref = sb[..., : quant.INT4_SCALE_HEADER].contiguous().view(torch.int32).squeeze(-1)
+    ref = sb[..., : quant.SCALE_HEADER].contiguous().view(torch.int32).squeeze(-1)
     assert ref[0, 0] == 0 and ref[1, 1] == 0  # +0.0's bits, not -0.0's
-    assert torch.isnan(sb[4, 1, : quant.INT4_SCALE_HEADER].clone().view(torch.float32)).all()
+    assert torch.isnan(sb[4, 1, : quant.SCALE_HEADER].clone().view(torch.float32)).all()
 
 
 def test_bytes_per_token_of_the_8b_and_27b_shapes():
-    """int4 at most 0.28 of raw bf16 on the benches' shapes (5 captured layers), scales, ids and mask included."""
+    """int4 at most 0.28 of raw bf16 on the benches' shapes (5 captured layers), scales, ids and mask included;
+    int8 a code byte per 32 channels more than one float32 per row."""
     for hidden, figure in ((4096, 10_905), (5120, 13_625)):
         raw = 5 * hidden * 2
         shapes = quant.row_shapes("int4", np.dtype("uint16"), 5, hidden)
         per_token = sum(int(np.prod(shapes[a][0])) * shapes[a][1].itemsize for a in ("hidden", "hidden_scale"))
         assert per_token == 5 * quant.row_bytes("int4", hidden) and per_token + 4 + 1 == figure  # ids, mask
         assert figure / raw <= 0.28
-        assert quant.row_bytes("fp8", hidden) == quant.row_bytes("int8", hidden) == hidden + 4
+        assert quant.row_bytes("fp8", hidden) == quant.row_bytes(quant.INT8_ROW, hidden) == hidden + 4
+        assert quant.row_bytes("int8", hidden) == hidden + 4 + hidden // 32  # 0.516 of bf16's 2 * hidden
         assert quant.row_bytes("full", hidden) == 2 * hidden
 
 
