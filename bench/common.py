@@ -169,8 +169,8 @@ def publish_store(root: Path, version: str, cfg, sample_ids, lengths, ids) -> No
 
     from dflash_pipeline.dataprep.prepare import PrepareResult
     from dflash_pipeline.extraction.validate import raise_if_failed, validate_store
+    from dflash_pipeline.storage.layout import VALIDATION
     from dflash_pipeline.storage.store import Store
-    from dflash_pipeline.storage.verify import VALIDATION
 
     path = Path(root).parent / f"{Path(root).name}-prepared"
     rows = {"sample_id": sample_ids, "input_ids": [x.tolist() for x in ids], "loss_mask": [[1] * n for n in lengths]}

@@ -30,6 +30,7 @@ NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
 SHARDED_ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale")
 ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale", "input_ids", "loss_mask")
 VERSION_RECORD = "version.json"  # digests of the version attributes readers depend on
+VALIDATION = "validation.json"  # <version>/validation.json: the last validation report of the version
 PLANS = "plans"  # <version>/plans/<unit>.json: each unit's planned attributes, written once by the planner
 # Version attributes that readers depend on (covered by the version record's digests).
 READER_ATTRS = (

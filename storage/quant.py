@@ -42,6 +42,8 @@ import sys
 import numpy as np
 import torch
 
+from dflash_pipeline.errors import StoreError
+
 PRECISIONS = ("full", "fp8", "int8", "int4")  # what extract.store_precision takes
 INT8_ROW = "int8-row"  # the scheme of int8 versions written before int8 took group steps (read, never written)
 QMAX = {"fp8": 448.0, INT8_ROW: 127.0, "int8": 127.0, "int4": 7.0}
@@ -86,11 +88,14 @@ def scheme(attrs: dict) -> str:
     if marked is None:
         return INT8_ROW
     if marked != INT8_SCALES:
-        raise ValueError(f"root attribute {INT8_SCALES_ATTR}={marked!r} is not {INT8_SCALES!r} (the only int8 layout)")
+        raise StoreError(
+            f"root attribute {INT8_SCALES_ATTR}={marked!r} is not {INT8_SCALES!r}, the only int8 layout: the version's "
+            "zarr.json was edited or damaged; `dflash-pipeline verify` says what else differs from its records"
+        )
     return "int8"
 
 
-def groups(hidden: int, precision: str = "int8") -> int:
+def groups(hidden: int, precision: str) -> int:
     """Groups of a grouped row of `hidden` channels (the last one partial when GROUP does not divide it)."""
     if precision == "int4" and hidden % 2:
         raise ValueError(
@@ -195,8 +200,10 @@ def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, to
     del x, xg
     if any_bad:  # only then can y hold NaN or an infinity (0 / 0, x / inf)
         y.nan_to_num_(0.0, qmax, -qmax)
-    # No clamp needed: a group's step is at least its max / qmax (up to float32 rounding), so |round(y)| <= qmax
-    q = y.round_().to(torch.int8).view(*lead, n_groups * GROUP)[..., :h]
+    # A group's step is at least its max / qmax up to float32 rounding, so |round(y)| <= qmax, except where R is
+    # a float32 subnormal (a row's max under ~1e-38 loses the precision that needs): the clamp keeps those from
+    # wrapping to -128 (int4: -8), the bound documented for all
+    q = y.round_().clamp_(-qmax, qmax).to(torch.int8).view(*lead, n_groups * GROUP)[..., :h]
     if precision == "int4":
         q = q.view(torch.uint8)
         q = (q[..., 0::2] & 15) | (q[..., 1::2] << 4)  # 4-bit two's complement, even channel low
@@ -230,7 +237,8 @@ def group_steps(scale) -> np.ndarray | torch.Tensor:
     if isinstance(scale, np.ndarray):
         ref = np.ascontiguousarray(scale[..., :SCALE_HEADER]).view("<f4")
         return ref * STEPS[scale[..., SCALE_HEADER:]]
-    ref = scale[..., :SCALE_HEADER].reshape(-1).view(torch.float32).view(*scale.shape[:-1], 1)
+    # (a copy: R's 4 bytes of a row slice need not sit at a float32-aligned storage offset)
+    ref = scale[..., :SCALE_HEADER].reshape(-1, SCALE_HEADER).clone().view(torch.float32).view(*scale.shape[:-1], 1)
     return ref * _steps(scale.device)[0][scale[..., SCALE_HEADER:].long()]
 
 

@@ -28,6 +28,7 @@ from dflash_pipeline.storage.layout import (
     NOTHING_COMMITTED,
     PLANS,
     READER_ATTRS,
+    VALIDATION,
     VERSION_RECORD,
     chunking,
     compressors,
@@ -232,20 +233,23 @@ class Store:
     def version_record(self, version: str) -> dict[str, Any] | None:
         return self.loc.read_json(f"{version}/{VERSION_RECORD}")
 
-    def _write_version_record(self, version: str) -> None:
+    def _write_version_record(self, version: str, validated_before_publishing: bool = True) -> None:
         """`validated_before_publishing`: this code makes a version CURRENT only once a passing validation.json is
         written, so a CURRENT version without that file lost it (versions whose record predates the flag lack it,
-        and their CURRENT counts as validated: storage/verify.py validation_status). A record rebuilt by a rerun
-        carries it too: that run validates before it publishes."""
-        self.loc.write_json_atomic(
-            f"{version}/{VERSION_RECORD}",
-            {
-                "format_version": FORMAT_VERSION,
-                "algorithm": digest.ALGORITHM,
-                "validated_before_publishing": True,
-                "attrs": digest.of_attrs(self.attrs(version), READER_ATTRS),
-            },
-        )
+        and their CURRENT counts as validated: storage/verify.py validation_status)."""
+        record = {"format_version": FORMAT_VERSION, "algorithm": digest.ALGORITHM}
+        if validated_before_publishing:
+            record["validated_before_publishing"] = True
+        record["attrs"] = digest.of_attrs(self.attrs(version), READER_ATTRS)
+        self.loc.write_json_atomic(f"{version}/{VERSION_RECORD}", record)
+
+    def _rebuilt_record_flag(self, version: str, record: Any) -> bool:
+        """validated_before_publishing for a rebuilt version record: the old record's where it is readable; else
+        true unless the version is CURRENT without a validation.json (published before the flag existed: a record
+        rebuilt with the flag would make its readers refuse it for a report it never had)."""
+        if isinstance(record, dict) and isinstance(record.get("attrs"), dict):
+            return record.get("validated_before_publishing") is True
+        return self.current() != version or self.loc.exists(f"{version}/{VALIDATION}")
 
     def _repair_attrs(self, version: str, provenance: dict[str, Any], write: bool = True) -> dict[str, Any]:
         """The version's attributes, after restoring those that were altered on disk (their digest no longer
@@ -275,14 +279,15 @@ class Store:
             self.open_version(version, mode="r+").attrs.update(fixes)
         attrs.update(fixes)
         want = digest.of_attrs(attrs, READER_ATTRS)
+
+        def provenance_agrees(k: str) -> bool:  # (an attribute only some versions have, int8_scales: absent in both)
+            return digest.of_attr(provenance[k]) == want.get(k) if k in provenance else k not in want
+
         if (
             write
             and attrs.get("format_version") == FORMAT_VERSION
             and recorded != want
-            # (an attribute that only some versions have, e.g. int8_scales: absent from both is equal)
-            and all(
-                digest.of_attr(provenance[k]) == want.get(k) if k in provenance else k not in want for k in READER_ATTRS
-            )
+            and all(provenance_agrees(k) for k in READER_ATTRS)
         ):
             log.warning(
                 "store version %s: its version record %s was %s; every attribute it covers equals this run's "
@@ -291,7 +296,7 @@ class Store:
                 VERSION_RECORD,
                 "missing or unreadable" if not recorded else "contradicted by them",
             )
-            self._write_version_record(version)
+            self._write_version_record(version, self._rebuilt_record_flag(version, record))
         elif write and not recorded and attrs.get("format_version") == FORMAT_VERSION and same_identity(attrs, prov):
             differ = [k for k in READER_ATTRS if k in provenance and digest.of_attr(provenance[k]) != want.get(k)]
             raise StoreError(

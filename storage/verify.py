@@ -27,7 +27,15 @@ from typing import Any
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import digest, quant, retention
-from dflash_pipeline.storage.layout import ARRAYS, PLANS, READER_ATTRS, SHARDED_ARRAYS, VERSION_RECORD, sharded_arrays
+from dflash_pipeline.storage.layout import (
+    ARRAYS,
+    PLANS,
+    READER_ATTRS,
+    SHARDED_ARRAYS,
+    VALIDATION,
+    VERSION_RECORD,
+    sharded_arrays,
+)
 from dflash_pipeline.storage.store import Store
 
 DAMAGED, INCOMPLETE, RETIRED, RECORD = "damaged", "incomplete", "retired", "record"
@@ -41,7 +49,6 @@ CANNOT_REBUILD = (
     "nothing records which samples it held, so it cannot be rebuilt: delete the unit's directory and its plan "
     "record, and a rerun of extract plans those samples again into a new unit"
 )
-VALIDATION = "validation.json"  # <version>/validation.json: the last validation report of the version
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 
 
@@ -444,7 +451,7 @@ def validation_status(store: Store, version: str) -> str | None:
             return "validation never ran on it (it has no validation.json)"
         try:
             record = store.version_record(version)
-        except ValueError:
+        except (ValueError, OSError):
             record = None
         if isinstance(record, dict) and record.get("validated_before_publishing") is True:
             return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"

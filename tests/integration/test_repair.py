@@ -114,6 +114,30 @@ def test_a_deleted_version_record_is_rebuilt_by_the_rerun(small_store, original,
     assert len(HiddenStateDataset(root)) == 60
 
 
+def test_a_rebuilt_version_record_keeps_an_older_published_version_readable(small_store, tmp_path):
+    """A CURRENT version published before validation.json existed (no report, no validated_before_publishing flag)
+    whose version.json is lost: the rebuilt record must not gain the flag, or its readers would refuse it for a
+    report it never had (found by review). An unpublished version's rebuilt record gets the flag."""
+    root, version = _copy(small_store, tmp_path)
+    store = Store(root)
+    assert not (root / version / "validation.json").exists()
+    record = root / version / "version.json"
+    record.write_text(
+        json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "validated_before_publishing"})
+    )
+    store.set_current(version)
+    assert len(HiddenStateDataset(root)) == 60  # published before the report: trusted
+    for current, flagged in ((True, False), (False, True)):
+        if not current:
+            (root / "CURRENT").unlink()
+        record.unlink()
+        store._repair_attrs(version, dict(store.attrs(version)))  # what a rerun of extract does first
+        assert json.loads(record.read_text()).get("validated_before_publishing", False) is flagged
+    store.set_current(version)  # (published by hand, as before: only the flag changed, so now refused)
+    with pytest.raises(StoreError, match="validation.json is missing"):
+        HiddenStateDataset(root)
+
+
 def test_a_repair_that_cannot_delete_is_one_line_and_the_rerun_still_restores(small_store, original, tmp_path, capsys):
     """An immutable damaged shard (chattr +i): verify --repair moves the unit out of the store in one step, cannot
     delete the file, says so in one line and exits 3 (not 1, not a traceback); the rerun rebuilds the unit."""

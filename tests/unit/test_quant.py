@@ -173,6 +173,12 @@ def test_int4_never_stores_minus_8():
         q, _ = quant.quantize(rows, "int4")
         assert not ((q & 15) == 8).any() and not ((q >> 4) == 8).any()
         assert not (quant.quantize(rows, "int8")[0] == -128).any()  # int8's range is [-127, 127] the same way
+    # rows whose R = max / Q is a float32 subnormal (max under ~1e-38): rounding there once wrapped to -128 / -8
+    tiny = torch.zeros(4, 64)
+    tiny[:, 0] = torch.tensor([128.0, 129.0, 8.0, 9.0]) * 2.0**-149
+    assert not (quant.quantize(tiny, "int8")[0] == -128).any() and (quant.quantize(tiny, "int8")[0] >= 0).all()
+    q4, _ = quant.quantize(tiny, "int4")
+    assert not ((q4 & 15) == 8).any() and not ((q4 >> 4) == 8).any()
 
 
 def test_int4_steps_table_is_exact_and_portable():
@@ -238,6 +244,31 @@ def test_bytes_per_token_of_the_8b_and_27b_shapes():
         assert quant.row_bytes("fp8", hidden) == quant.row_bytes(quant.INT8_ROW, hidden) == hidden + 4
         assert quant.row_bytes("int8", hidden) == hidden + 4 + hidden // 32  # 0.516 of bf16's 2 * hidden
         assert quant.row_bytes("full", hidden) == 2 * hidden
+
+
+def test_the_scheme_of_a_version_from_its_attributes():
+    """`precision` absent: full; int8 without `int8_scales`: the older one step per row; an unknown layout is an
+    error naming the attribute (never decoded as something else)."""
+    from dflash_pipeline.errors import StoreError
+
+    assert quant.scheme({}) == "full" and quant.scheme({"precision": "int4"}) == "int4"
+    assert quant.scheme({"precision": "int8"}) == quant.INT8_ROW
+    assert quant.scheme(quant.precision_attrs("int8")) == "int8"
+    assert quant.precision_attrs("fp8") == {"precision": "fp8"}
+    with pytest.raises(StoreError, match="int8_scales='group64' is not 'group32'"):
+        quant.scheme({"precision": "int8", "int8_scales": "group64"})
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_the_steps_of_one_row_of_a_layer_slice(precision):
+    """validate's recompute takes scale[:, j] (one layer of a sample's rows): a one-token sample's R bytes then
+    sit at an offset that is no multiple of 4 when H is not a multiple of 128 (H 64 here; it raised)."""
+    x = torch.randn(1, 3, 64)
+    q, s = quant.quantize(x, precision)
+    for j in range(3):
+        steps = quant.group_steps(s[:, j])
+        assert torch.equal(steps, torch.from_numpy(quant.group_steps(s[:, j].numpy())))
+        assert quant.error_bound(precision, s[:, j], x[:, j]) > 0
 
 
 def test_an_unknown_precision_names_the_choices():
