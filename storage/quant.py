@@ -142,7 +142,7 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     if precision in GROUPED:
         return _quantize_grouped(x, precision)
     amax = _absmax(x)
-    scale = amax / QMAX[precision]
+    scale = _over_qmax(amax, precision)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).unsqueeze(-1)
     y = x * inv  # widened to float32 on the fly: no float32 copy of the rows
     if precision == "fp8":
@@ -161,6 +161,19 @@ def _absmax(x: torch.Tensor) -> torch.Tensor:
     all-zero row gives +0, not -0."""
     lo, hi = torch.aminmax(x, dim=-1)
     return torch.maximum(hi, -lo).float().abs_()
+
+
+_QMAX_ON: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def _over_qmax(amax: torch.Tensor, precision: str) -> torch.Tensor:
+    """amax / QMAX[precision], correctly rounded on every device: CUDA computes `tensor / python_number` as a
+    product with the number's float32 reciprocal (one ulp off at times), so a store quantized on a GPU had other
+    scale bits than the same rows quantized on the CPU; dividing by a tensor on amax's device is a true division."""
+    key = (amax.device, precision)
+    if key not in _QMAX_ON:
+        _QMAX_ON[key] = torch.tensor(QMAX[precision], dtype=torch.float32, device=amax.device)
+    return amax / _QMAX_ON[key]
 
 
 _STEPS_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -193,7 +206,7 @@ def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, to
     ratio = torch.where(amax.unsqueeze(-1) > 0, gmax / amax.unsqueeze(-1), torch.zeros_like(gmax))
     # the largest code whose step is at least the group's share of the row's max: 255 - #(steps < ratio)
     codes = (255 - torch.searchsorted(increasing, ratio.contiguous())).clamp_(0, 255)
-    ref = amax / qmax
+    ref = _over_qmax(amax, precision)
     step = ref.unsqueeze(-1) * steps[codes]
     step = torch.where(step == 0, torch.ones_like(step), step)  # an all-zero row: 0 / 1 = 0 (groups, not values)
     y = xg / step.unsqueeze(-1)  # bf16 / float32: each value widened exactly, divided in float32
