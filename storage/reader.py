@@ -37,6 +37,7 @@ from dflash_pipeline.storage.verify import (
     check_unit,
     check_version_attrs,
     duplicate_samples,
+    layout_problems,
     unvalidated_fix,
     validation_status,
 )
@@ -279,7 +280,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if unit not in self._arrays:
             self._check_files(unit)
             g = self.store.open_unit(self.version, unit)
-            self._arrays[unit] = {k: g[k] for k in ARRAYS if k in g}
+            arrays = {k: g[k] for k in ARRAYS if k in g}
+            self._raise_on(layout_problems(unit, arrays, self.attrs))
+            self._arrays[unit] = arrays
         return self._arrays[unit]
 
     def __getitem__(self, i: int) -> dict:

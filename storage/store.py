@@ -279,6 +279,16 @@ class Store:
             self.open_version(version, mode="r+").attrs.update(fixes)
         attrs.update(fixes)
         want = digest.of_attrs(attrs, READER_ATTRS)
+        added = sorted(set(want) - set(recorded)) if recorded else []
+        if added and write:  # a rebuilt record would vouch for them (found by a damage check: an old int8 version
+            # given int8_scales was then extended with group-step units)
+            raise StoreError(
+                f"store version {self.loc.url_of(version)}: attributes {added} are in its zarr.json but not covered by "
+                f"its version record {VERSION_RECORD}, so they were added after the version was made (an int8 "
+                "version from before group steps has no int8_scales). Remove them from "
+                f"{self.loc.url_of(version)}/zarr.json to restore the version as it was, or extract a new version "
+                "(extract.new_version=true)"
+            )
 
         def provenance_agrees(k: str) -> bool:  # (an attribute only some versions have, int8_scales: absent in both)
             return digest.of_attr(provenance[k]) == want.get(k) if k in provenance else k not in want

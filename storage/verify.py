@@ -18,6 +18,7 @@ record; repaired by rewriting the record, never by deleting data).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import digest, quant, retention
 from dflash_pipeline.storage.layout import (
     ARRAYS,
+    DTYPES,
     PLANS,
     READER_ATTRS,
     SHARDED_ARRAYS,
@@ -38,6 +40,7 @@ from dflash_pipeline.storage.layout import (
 )
 from dflash_pipeline.storage.store import Store
 
+log = logging.getLogger(__name__)
 DAMAGED, INCOMPLETE, RETIRED, RECORD = "damaged", "incomplete", "retired", "record"
 DUPLICATE = "duplicate"  # a unit holding samples another unit holds: which one belongs is for a person to say
 REBUILD_PLAN = "`dflash-pipeline verify <store> --repair`, or a rerun of extract, rewrites it from them"
@@ -301,6 +304,35 @@ def check_unit(
     return problems, len(files), n_bytes
 
 
+def layout_problems(unit: str, arrays: dict, attrs: dict) -> list[Problem]:
+    """Each stored array's data type and per-token shape against what the version's attributes say it holds
+    (precision and int8_scales, logical_dtype, layer_ids, hidden_size, capture_last): attributes edited
+    consistently with their records would otherwise decode another layout's bytes as their own (found by a damage
+    check: a bare broadcast error, or an int8 store read with another scheme)."""
+    try:
+        scheme = quant.scheme(attrs)
+        logical, k, hidden = DTYPES[attrs["logical_dtype"]][0], len(attrs["layer_ids"]), attrs["hidden_size"]
+        want = quant.row_shapes(scheme, logical, k, hidden)
+        names = sharded_arrays(bool(attrs.get("capture_last")), scheme)
+    except (StoreError, KeyError, TypeError, ValueError) as e:  # damaged attributes: check_version_attrs says which
+        return [Problem(unit, "-", "zarr.json", f"the version's attributes do not describe a layout: {e}")]
+    problems = []
+    for name in names:
+        a = arrays.get(name)
+        row, dtype = want[name]
+        if a is None:
+            problems.append(Problem(unit, name, f"units/{unit}/{name}", "missing: the version's attributes need it"))
+        elif tuple(a.shape[1:]) != row or a.dtype != dtype:
+            what = (
+                f"stored as {a.dtype} {list(a.shape[1:])} per token, but the version's attributes (precision "
+                f"{scheme}, logical_dtype {attrs['logical_dtype']}, hidden_size {attrs['hidden_size']}) say {dtype} "
+                f"{list(row)}: the array and the version's zarr.json disagree, so neither can be trusted; extract "
+                "the version again (extract.new_version=true)"
+            )
+            problems.append(Problem(unit, name, f"units/{unit}/{name}/zarr.json", what))
+    return problems
+
+
 def _check_sample_table(attrs: dict, P) -> list[Problem]:
     samples, n = attrs.get("samples"), attrs.get("n_tokens")
     try:
@@ -360,7 +392,7 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
         attrs = store.attrs(version)
         capture_last, precision = bool(attrs.get("capture_last")), quant.scheme(attrs)
     except Exception:  # noqa: BLE001 - reported above
-        capture_last, precision = False, "full"
+        attrs, capture_last, precision = None, False, "full"
     units = sorted(set(store.units(version)) | set(store.planned_units(version)))
     report.units = len(units)
     try:
@@ -376,10 +408,19 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
             what = retention.describe(store, version, gone[u], [u], hint=False)
             report.problems.append(Problem(u, "-", f"units/{u}", what, RETIRED))
     units = [u for u in units if u not in gone]
+
+    def check(u: str) -> tuple[list[Problem], int, int]:
+        problems, n_files, n_bytes = check_unit(store, version, u, capture_last, digests, precision)
+        if attrs is not None and store.loc.exists(f"{version}/units/{u}/zarr.json"):
+            try:
+                g = store.open_unit(version, u)
+                problems += layout_problems(u, {k: g[k] for k in ARRAYS if k in g}, attrs)
+            except Exception as e:  # noqa: BLE001 - unreadable array metadata: check_unit names the file
+                log.debug("unit %s: arrays not opened for the layout check: %s", u, e)
+        return problems, n_files, n_bytes
+
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for problems, n_files, n_bytes in pool.map(
-            lambda u: check_unit(store, version, u, capture_last, digests, precision), units
-        ):
+        for problems, n_files, n_bytes in pool.map(check, units):
             report.problems += problems
             report.files += n_files
             report.bytes += n_bytes
@@ -453,8 +494,11 @@ def validation_status(store: Store, version: str) -> str | None:
             record = store.version_record(version)
         except (ValueError, OSError):
             record = None
-        if isinstance(record, dict) and record.get("validated_before_publishing") is True:
+        flag = record.get("validated_before_publishing") if isinstance(record, dict) else None
+        if flag is True:
             return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
+        if flag is not None:  # only true is ever written
+            return f"{VERSION_RECORD}'s validated_before_publishing is {_short(flag)}, not true: the record was edited"
         return None  # published before validation.json existed
     if rec.get("ok") is not True:
         failed = [c for c in rec.get("checks") or [] if not c.get("ok")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import quant
+from dflash_pipeline.storage import digest, quant
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import extract_local
@@ -238,6 +238,29 @@ def test_an_older_int8_store_is_read_validated_and_never_extended(stores, tmp_pa
         assert float((item["hidden"][:, 0] - ref).norm()) <= bound * (1 + 1e-5) + 1e-6
     with pytest.raises(StoreError, match="int8_scales: store has None, this run has 'group32'"):
         extract_local(tmp_path / "old", {**OVERRIDES, "extract.store_precision": "int8"})
+
+    # Found by a damage check: int8_scales added to the old version's zarr.json made a rerun rebuild the version
+    # record around it and extend the version with group-step units. Now the rerun refuses, naming the fix.
+    meta = Path(old.store) / old.plan.version / "zarr.json"
+    as_made = meta.read_text()
+    doc = json.loads(as_made)
+    doc["attributes"]["int8_scales"] = "group32"
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match=r"attributes \['int8_scales'\] are in its zarr.json but not covered"):
+        extract_local(tmp_path / "old", {**OVERRIDES, "extract.store_precision": "int8"})
+    with pytest.raises(StoreError, match="does not cover attributes"):
+        HiddenStateDataset(old.store)
+    # attributes and record edited together (digest included): the arrays' own layout still disagrees
+    record = meta.parent / "version.json"
+    rec = json.loads(record.read_text())
+    rec["attrs"]["int8_scales"] = digest.of_attr("group32")
+    record.write_text(json.dumps(rec))
+    with pytest.raises(StoreError, match=r"hidden.*stored as float32 \[3\] per token, but .* say uint8 \[3, 6\]"):
+        HiddenStateDataset(old.store, unvalidated="warn")[0]
+    from dflash_pipeline.cli import main as cli
+
+    assert cli(["verify", old.store, "--unvalidated"]) == 1
+    meta.write_text(as_made)
 
 
 @pytest.mark.parametrize("precision", COMPACT)

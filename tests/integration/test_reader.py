@@ -207,6 +207,9 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
     flagged = record.read_text()
     record.write_text(json.dumps({k: v for k, v in json.loads(flagged).items() if k != "validated_before_publishing"}))
     assert len(HiddenStateDataset(root)) == 60
+    record.write_text(flagged.replace('"validated_before_publishing": true', '"validated_before_publishing": "true"'))
+    with pytest.raises(StoreError, match='validated_before_publishing is "true", not true: the record was edited'):
+        HiddenStateDataset(root)  # only true is written: any other value is an edit, not an older version
     record.write_text(flagged)
     (root / "CURRENT").unlink()  # not published: never ran
     with pytest.raises(StoreError, match="validation never ran"):
