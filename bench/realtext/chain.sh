@@ -44,11 +44,12 @@ if [[ ${RT_PRECISION:-1} == 1 ]]; then
     return 1
   }
   pids=()
-  for p in fp8 int8 int4; do stores $p & pids+=($!); done
+  # RT_PRECISIONS: the compact precisions to measure beside full (e.g. "int8" alone after a change to it)
+  for p in ${RT_PRECISIONS:-fp8 int8 int4}; do stores $p & pids+=($!); done
   wait "${pids[@]}"
   pids=()
   for s in ${RT_PREC_SEEDS:-0 1 2}; do
-    for p in full fp8 int8 int4; do
+    for p in full ${RT_PRECISIONS:-fp8 int8 int4}; do
       DFLASH_LOCK_DIR=/tmp/rt-locks-$s-$p python3 bench/realtext/precision.py train "${prec[@]}" --precisions $p \
         --set regenerate.enabled=false --seed $s --steps "${RT_PREC_STEPS:-1000}" \
         > /tmp/rt/precision_seed${s}_${p}_log.txt 2>&1 &
