@@ -24,6 +24,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import read_model_config
 from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import diskcheck, quant, retention
 from dflash_pipeline.storage.layout import DTYPES
 from dflash_pipeline.storage.store import Store, same_identity
@@ -133,7 +134,9 @@ class StoreEstimate:
         )
         free = f"{self.free_bytes / gib:,.2f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
         room = (
-            f"{'fits' if self.fits else 'DOES NOT FIT'}: needs {self.needed_bytes / gib:,.3f} GiB, {free}"
+            f"{'fits' if self.fits else 'DOES NOT FIT'}: "
+            + (f"needs {self.needed_bytes / gib:,.3f} GiB" if self.needed_bytes else "nothing left to write")
+            + f", {free}"
             if self.free_bytes is not None
             else f"not checked ({self.free_source})"
         )
@@ -145,8 +148,8 @@ class StoreEstimate:
             f"bytes per token: {self.bytes_per_token:,.1f} on disk = {self.of_raw_bf16:.3f} of raw bf16 "
             f"({self.raw_bf16_bytes_per_token:,}); calibrated: {self.calibration}"
             + (" (an earlier calibration with the same inputs, reused)" if self.calibration_reused else ""),
-            f"store size: {self.store_bytes / gib:,.3f} GiB ({self.store_bytes:,} bytes, {self.units} units) "
-            f"at {self.store}",
+            f"store size: {self.store_bytes / gib:,.3f} GiB ({self.store_bytes:,} bytes, "
+            f"{counted(self.units, 'unit')}) at {self.store}",
             f"disk: {room}",
             f"GPU ({self.gpu or '-'}, {self.gpu_source}): {hours}",
             *(f"throughput basis: {b}" for b in self.throughput_basis),

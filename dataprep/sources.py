@@ -83,7 +83,10 @@ def _load_hub(name: str, split: str):
 def _check_not_missing_path(source: str) -> None:
     """A path-looking source that does not exist is a typo, not a hub dataset name."""
     if source.startswith((".", "/", "~")) or source.endswith(FILE_SUFFIXES):
-        raise DataError(f"data.source {source} does not exist (no such file or directory)")
+        raise DataError(
+            f"data.source {source} does not exist (no such file or directory): point data.source at an existing "
+            f"file ({', '.join(FILE_SUFFIXES)}) or a directory saved with datasets' save_to_disk"
+        )
 
 
 def resolve_encoding(path: str | Path, encoding: str = "auto") -> str:
