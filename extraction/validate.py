@@ -32,10 +32,10 @@ from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.extraction.config import ValidateConfig
 from dflash_pipeline.extraction.loader import decoder_layers, forward_or_eager
 from dflash_pipeline.storage import quant
-from dflash_pipeline.storage.layout import DTYPES, sharded_arrays
+from dflash_pipeline.storage.layout import ARRAYS
 from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import validated_state, verify_version
+from dflash_pipeline.storage.verify import layout_problems, validated_state, verify_version
 
 log = logging.getLogger(__name__)
 # Relative L2 error allowed between stored and recomputed states (batched vs batch-1 kernels differ).
@@ -193,7 +193,6 @@ def validate_store(
         attrs = store.attrs(version)
         logical, k_ids, hidden_size = attrs["logical_dtype"], list(attrs["layer_ids"]), attrs["hidden_size"]
         precision = quant.scheme(attrs)
-        stored_rows = quant.row_shapes(precision, DTYPES[logical][0], len(k_ids), hidden_size)
     except Exception as e:  # noqa: BLE001 - damaged version attributes: nothing else can be checked
         report.add("version attributes readable", False, f"{type(e).__name__}: {e}")
         return report
@@ -246,11 +245,10 @@ def validate_store(
                 version,
                 u,
                 ua,
+                attrs,
                 logical,
                 precision,
-                stored_rows,
                 k_ids,
-                hidden_size,
                 capture_last,
                 ds,
                 prepared_ids,
@@ -322,23 +320,13 @@ def validate_store(
 
 
 def _check_unit_arrays(
-    store, version, u, ua, logical, precision, stored_rows, k_ids, hidden_size, capture_last, ds, prepared_ids,
+    store, version, u, ua, attrs, logical, precision, k_ids, capture_last, ds, prepared_ids,
     acc, acc_last, cfg, report, meta_errors, id_errors, mask_errors,
 ):  # fmt: skip
     g = store.open_unit(version, u)
     n_tok = ua["n_tokens"]
-    expected = {
-        "input_ids": ((n_tok,), np.dtype("int32")),
-        "loss_mask": ((n_tok,), np.dtype("uint8")),
-    }
-    for name in sharded_arrays(capture_last, precision):  # stored_rows: quant.row_shapes (per token)
-        row, dtype = stored_rows[name]
-        expected[name] = ((n_tok, *row), dtype)
-    for name, (shape, dtype) in expected.items():
-        if name not in g:
-            meta_errors.append(f"{u}/{name} is missing")
-        elif g[name].shape != shape or g[name].dtype != dtype:
-            meta_errors.append(f"{u}/{name} is {g[name].shape} {g[name].dtype}, expected {shape} {dtype}")
+    arrays = {name: g[name] for name in ARRAYS if name in g}
+    meta_errors += [f"{u}/{p.array}: {p.what}" for p in layout_problems(u, arrays, attrs, n_tok)]
     if meta_errors:
         return None
     ids, mask = g["input_ids"][:], g["loss_mask"][:]

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import digest, quant, retention
@@ -304,16 +306,21 @@ def check_unit(
     return problems, len(files), n_bytes
 
 
-def layout_problems(unit: str, arrays: dict, attrs: dict) -> list[Problem]:
+def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None = None) -> list[Problem]:
     """Each stored array's data type and per-token shape against what the version's attributes say it holds
-    (precision and int8_scales, logical_dtype, layer_ids, hidden_size, capture_last): attributes edited
-    consistently with their records would otherwise decode another layout's bytes as their own (found by a damage
-    check: a bare broadcast error, or an int8 store read with another scheme)."""
+    (precision and int8_scales, logical_dtype, layer_ids, hidden_size, capture_last), and with `n_tokens` (the
+    unit's) its length too: attributes edited consistently with their records would otherwise decode another
+    layout's bytes as their own (found by a damage check: a bare broadcast error, or an int8 store read with
+    another scheme). The reader and verify check this; validation too, with the unit's token count."""
     try:
         scheme = quant.scheme(attrs)
         logical, k, hidden = DTYPES[attrs["logical_dtype"]][0], len(attrs["layer_ids"]), attrs["hidden_size"]
-        want = quant.row_shapes(scheme, logical, k, hidden)
-        names = sharded_arrays(bool(attrs.get("capture_last")), scheme)
+        want = {
+            **quant.row_shapes(scheme, logical, k, hidden),
+            "input_ids": ((), np.dtype("int32")),
+            "loss_mask": ((), np.dtype("uint8")),
+        }
+        names = (*sharded_arrays(bool(attrs.get("capture_last")), scheme), "input_ids", "loss_mask")
     except (StoreError, KeyError, TypeError, ValueError) as e:  # damaged attributes: check_version_attrs says which
         return [Problem(unit, "-", "zarr.json", f"the version's attributes do not describe a layout: {e}")]
     problems = []
@@ -329,6 +336,9 @@ def layout_problems(unit: str, arrays: dict, attrs: dict) -> list[Problem]:
                 f"{list(row)}: the array and the version's zarr.json disagree, so neither can be trusted; extract "
                 "the version again (extract.new_version=true)"
             )
+            problems.append(Problem(unit, name, f"units/{unit}/{name}/zarr.json", what))
+        elif n_tokens is not None and a.shape[0] != n_tokens:
+            what = f"holds {a.shape[0]} tokens, the unit's attributes {n_tokens}"
             problems.append(Problem(unit, name, f"units/{unit}/{name}/zarr.json", what))
     return problems
 
