@@ -210,13 +210,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from dflash_pipeline.storage.leases import ReaderLease
     from dflash_pipeline.storage.reader import published_version
     from dflash_pipeline.storage.store import Store
-    from dflash_pipeline.storage.verify import (
-        RECORD,
-        rebuild_plan_records,
-        unvalidated_fix,
-        validation_status,
-        verify_version,
-    )
+    from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
+    from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records, verify_version
 
     try:
         store = Store(args.store, json.loads(args.store_options) if args.store_options else None)

@@ -35,7 +35,8 @@ from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import ARRAYS
 from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import layout_problems, validated_state, verify_version
+from dflash_pipeline.storage.validated import validated_state
+from dflash_pipeline.storage.verify import layout_problems, verify_version
 
 log = logging.getLogger(__name__)
 # Relative L2 error allowed between stored and recomputed states (batched vs batch-1 kernels differ).
@@ -50,7 +51,7 @@ class ValidationReport:
     checks: list[dict] = field(default_factory=list)
     layer_stats: list[dict] = field(default_factory=list)
     recomputed: list[dict] = field(default_factory=list)
-    # what the checks saw (storage.verify.validated_state): readers accept the version only while it is unchanged
+    # what the checks saw (storage.validated.validated_state): readers accept the version only while it is unchanged
     state: dict[str, str] = field(default_factory=dict)
 
     @property

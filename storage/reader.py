@@ -31,6 +31,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
 from dflash_pipeline.storage.verify import (
     INCOMPLETE,
     Problem,
@@ -38,8 +39,6 @@ from dflash_pipeline.storage.verify import (
     check_version_attrs,
     duplicate_samples,
     layout_problems,
-    unvalidated_fix,
-    validation_status,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         `consumed` units were deleted sees the same samples in the same order), stay in the index from their plan
         records, and reading one of their samples raises StoreError saying what was deleted and why.
         `unvalidated`: a version that did not pass validation (it failed, never ran, or the version changed since:
-        storage.verify.validation_status) makes the constructor raise ("refuse", the default) or logs a warning and
+        storage.validated.validation_status) makes the constructor raise ("refuse", the default) or logs a warning and
         is read ("warn"). `version=None` reads CURRENT, the published version; with no CURRENT there is none, and the
         constructor raises (with "warn": reads the newest version, with a warning)."""
         if verify not in ("sizes", "digests"):

@@ -236,7 +236,7 @@ class Store:
     def _write_version_record(self, version: str, validated_before_publishing: bool = True) -> None:
         """`validated_before_publishing`: this code makes a version CURRENT only once a passing validation.json is
         written, so a CURRENT version without that file lost it (versions whose record predates the flag lack it,
-        and their CURRENT counts as validated: storage/verify.py validation_status)."""
+        and their CURRENT counts as validated: storage/validated.py validation_status)."""
         record = {"format_version": FORMAT_VERSION, "algorithm": digest.ALGORITHM}
         if validated_before_publishing:
             record["validated_before_publishing"] = True

@@ -36,7 +36,6 @@ from dflash_pipeline.storage.layout import (
     PLANS,
     READER_ATTRS,
     SHARDED_ARRAYS,
-    VALIDATION,
     VERSION_RECORD,
     sharded_arrays,
 )
@@ -136,7 +135,7 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     except Exception as e:  # noqa: BLE001 - a damaged zarr.json is a finding, not a crash
         return [Problem("-", "-", "zarr.json", f"version attributes unreadable: {type(e).__name__}: {e}")]
     if record is not None and not isinstance(record.get("attrs") if isinstance(record, dict) else None, dict):
-        what = f"version record unreadable: no attrs digests in {_short(record)}; {REBUILD_VERSION_RECORD}"
+        what = f"version record unreadable: no attrs digests in {short(record)}; {REBUILD_VERSION_RECORD}"
         return [Problem("-", "-", VERSION_RECORD, what, RECORD)]
     if record is None:
         if attrs.get("format_version") == 1:
@@ -157,7 +156,7 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
                     "-",
                     "-",
                     "zarr.json",
-                    f"version attribute {k} was altered (now {_short(attrs[k])}; its XXH3-128 "
+                    f"version attribute {k} was altered (now {short(attrs[k])}; its XXH3-128 "
                     f"{digest.of_attr(attrs[k])} differs from the version record's {d}); a rerun of extract with "
                     "the same run restores whichever of the two differs from the run's provenance",
                 )
@@ -168,7 +167,8 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     return problems
 
 
-def _short(v: Any) -> str:
+def short(v: Any) -> str:
+    """A value as JSON for a message, cut to 60 characters."""
     s = json.dumps(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
@@ -193,7 +193,7 @@ def check_unit(
     try:
         plan = store.plan_record(version, unit)
         if plan is not None and not isinstance(plan, dict):
-            raise ValueError(f"not a JSON object: {_short(plan)}")
+            raise ValueError(f"not a JSON object: {short(plan)}")
     except (ValueError, OSError) as e:
         plan, plan_problem = None, f"plan record unreadable: {e}"
     if not store.loc.exists(f"{unit_rel}/zarr.json"):
@@ -220,7 +220,7 @@ def check_unit(
         if diffs:
             k = diffs[0]
             plan_problem = (
-                f"attribute {k} differs from the plan record ({_short(attrs.get(k))} != {_short(plan.get(k))})"
+                f"attribute {k} differs from the plan record ({short(attrs.get(k))} != {short(plan.get(k))})"
                 + (f" (and {diffs[1:]})" if len(diffs) > 1 else "")
             )
     try:
@@ -475,65 +475,3 @@ def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
             "its data were not touched"
         )
     return done
-
-
-def validated_state(store: Store, version: str) -> dict[str, str]:
-    """What a validation vouches for: XXH3-128 of the version record and of each unit's commit record (which
-    covers every file of the unit), as canonical JSON. Recorded in validation.json as `state`."""
-    state = {"-": digest.of_attr(store.loc.read_json(f"{version}/{VERSION_RECORD}"))}
-    for u in store.units(version):
-        state[u] = digest.of_attr(store.loc.read_json(f"{version}/units/{u}/commit.json"))
-    return state
-
-
-def validation_status(store: Store, version: str) -> str | None:
-    """None when `version` passed validation and has not changed since; otherwise why it is not validated, as a
-    clause ("its validation failed: ...", "validation never ran on it", ...). A CURRENT version without
-    validation.json whose version record lacks `validated_before_publishing` was published by a run that validated
-    it before that report existed: validated."""
-    try:
-        rec = store.loc.read_json(f"{version}/{VALIDATION}")
-        if rec is not None and not isinstance(rec, dict):
-            raise ValueError(f"not a JSON object: {_short(rec)}")
-    except (ValueError, OSError) as e:
-        return f"its validation report {VALIDATION} is unreadable ({e})"
-    if rec is None:
-        if store.current() != version:
-            return "validation never ran on it (it has no validation.json)"
-        try:
-            record = store.version_record(version)
-        except (ValueError, OSError):
-            record = None
-        flag = record.get("validated_before_publishing") if isinstance(record, dict) else None
-        if flag is True:
-            return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
-        if flag is not None:  # only true is ever written
-            return f"{VERSION_RECORD}'s validated_before_publishing is {_short(flag)}, not true: the record was edited"
-        return None  # published before validation.json existed
-    if rec.get("ok") is not True:
-        failed = [c for c in rec.get("checks") or [] if not c.get("ok")]
-        first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""
-        return f"its validation failed{first}"
-    state = rec.get("state")
-    if state is not None:
-        try:
-            now = validated_state(store, version)
-        except (ValueError, OSError) as e:
-            return f"its records cannot be read to compare with what validation checked ({e})"
-        try:  # units whose data retention deleted on purpose are not a change (readers refuse or index them)
-            gone = set(retention.retired(retention.read_record(store, version), sorted(set(now) | set(state))))
-        except StoreError:
-            gone = set()
-        changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
-        if changed:
-            units = [u for u in changed if u != "-"]
-            what = (["the version record"] if "-" in changed else []) + ([f"units {units}"] if units else [])
-            return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
-    return None
-
-
-def unvalidated_fix(store: Store, version: str) -> str:
-    return (
-        f"run the pipeline's validate stage on {store.url} (a run with extract and validate), or read it anyway: "
-        f"`HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, `dflash-pipeline verify --unvalidated`"
-    )

@@ -1,0 +1,74 @@
+"""Whether a store version is validated: what a validation vouches for (`validated_state`, recorded in
+`<version>/validation.json` as `state`) and whether the version still is what it vouched for (`validation_status`).
+Readers refuse a version that is not (docs/STORE.md, "Only validated versions are read by default"); the files'
+own integrity is storage/verify.py's."""
+
+from __future__ import annotations
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage import digest, retention
+from dflash_pipeline.storage.layout import VALIDATION, VERSION_RECORD
+from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.verify import short
+
+
+def validated_state(store: Store, version: str) -> dict[str, str]:
+    """What a validation vouches for: XXH3-128 of the version record and of each unit's commit record (which
+    covers every file of the unit), as canonical JSON. Recorded in validation.json as `state`."""
+    state = {"-": digest.of_attr(store.loc.read_json(f"{version}/{VERSION_RECORD}"))}
+    for u in store.units(version):
+        state[u] = digest.of_attr(store.loc.read_json(f"{version}/units/{u}/commit.json"))
+    return state
+
+
+def validation_status(store: Store, version: str) -> str | None:
+    """None when `version` passed validation and has not changed since; otherwise why it is not validated, as a
+    clause ("its validation failed: ...", "validation never ran on it", ...). A CURRENT version without
+    validation.json whose version record lacks `validated_before_publishing` was published by a run that validated
+    it before that report existed: validated."""
+    try:
+        rec = store.loc.read_json(f"{version}/{VALIDATION}")
+        if rec is not None and not isinstance(rec, dict):
+            raise ValueError(f"not a JSON object: {short(rec)}")
+    except (ValueError, OSError) as e:
+        return f"its validation report {VALIDATION} is unreadable ({e})"
+    if rec is None:
+        if store.current() != version:
+            return "validation never ran on it (it has no validation.json)"
+        try:
+            record = store.version_record(version)
+        except (ValueError, OSError):
+            record = None
+        flag = record.get("validated_before_publishing") if isinstance(record, dict) else None
+        if flag is True:
+            return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
+        if flag is not None:  # only true is ever written
+            return f"{VERSION_RECORD}'s validated_before_publishing is {short(flag)}, not true: the record was edited"
+        return None  # published before validation.json existed
+    if rec.get("ok") is not True:
+        failed = [c for c in rec.get("checks") or [] if not c.get("ok")]
+        first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""
+        return f"its validation failed{first}"
+    state = rec.get("state")
+    if state is not None:
+        try:
+            now = validated_state(store, version)
+        except (ValueError, OSError) as e:
+            return f"its records cannot be read to compare with what validation checked ({e})"
+        try:  # units whose data retention deleted on purpose are not a change (readers refuse or index them)
+            gone = set(retention.retired(retention.read_record(store, version), sorted(set(now) | set(state))))
+        except StoreError:
+            gone = set()
+        changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
+        if changed:
+            units = [u for u in changed if u != "-"]
+            what = (["the version record"] if "-" in changed else []) + ([f"units {units}"] if units else [])
+            return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
+    return None
+
+
+def unvalidated_fix(store: Store, version: str) -> str:
+    return (
+        f"run the pipeline's validate stage on {store.url} (a run with extract and validate), or read it anyway: "
+        f"`HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, `dflash-pipeline verify --unvalidated`"
+    )
