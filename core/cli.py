@@ -73,8 +73,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 1
         if "server" not in str(e).lower() or args.debug:
             raise
+        from dflash_pipeline.runguard import temporary_server_log
+
         print(
-            f"error: Prefect's temporary server did not start ({e}). The machine may be busy: run again, raise "
+            f"error: Prefect's temporary server did not start ({e}; its output: {temporary_server_log()}). The "
+            "machine may be busy: run again, raise "
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now "
             f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS')} s), or start a server once "
             "(dflash-pipeline serve) and set PREFECT_API_URL",

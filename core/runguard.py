@@ -154,11 +154,21 @@ class _ConsoleOnce(logging.Filter):
         return not any(s in msg for s in _STOP_CRASHES) and not any(t in msg for t in _reported)
 
 
+def temporary_server_log() -> Path:
+    """Where the output of Prefect's temporary server goes: temporary-server.log under Prefect's home
+    (rewritten at each start), beside the server's database."""
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()).expanduser() / "temporary-server.log"
+
+
 def isolate_ephemeral_server() -> None:
     """Start Prefect's temporary server (a uvicorn child) in a session of its own. A terminal's Ctrl-C goes to
     the whole foreground process group: the server would die at once, and the run could then neither report its
     end nor stop in time. Its own session keeps it up until this process stops it at exit; the guard stops it
-    after a SIGKILL. (Wraps the private SubprocessASGIServer._run_uvicorn_command; without it, nothing changes.)"""
+    after a SIGKILL. Its output goes to temporary_server_log(), not to the run's console: uvicorn's shutdown at the
+    run's end can cancel a database rollback midway, and sqlalchemy then prints a harmless traceback after the
+    run's summary. (Wraps the private SubprocessASGIServer._run_uvicorn_command; without it, nothing changes.)"""
     try:
         from prefect.server.api import server as prefect_server
     except ImportError:
@@ -173,7 +183,11 @@ def isolate_ephemeral_server() -> None:
 
         def in_own_session(*args, **kwargs):
             kwargs.setdefault("start_new_session", True)
-            return popen(*args, **kwargs)
+            log = temporary_server_log()
+            with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+                kwargs.setdefault("stdout", out)
+                kwargs.setdefault("stderr", subprocess.STDOUT)
+                return popen(*args, **kwargs)
 
         prefect_server.subprocess.Popen = in_own_session
         try:
