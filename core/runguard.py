@@ -137,7 +137,13 @@ class _NoUserErrorTraceback(logging.Filter):
 
 
 _reported: set[str] = set()  # the start of each error the CLI prints itself (seen by _NoUserErrorTraceback)
-_STOP_CRASHES = ("Execution was aborted by an interrupt signal", "Execution was aborted by a termination signal")
+# Prefect's lines of a stop: the flow's crash, and the extraction task's failure with the WorkerStopped the stop
+# raised (its "Finished in state Failed(...)" comes without the exception record _NoUserErrorTraceback would see)
+_STOP_CRASHES = (
+    "Execution was aborted by an interrupt signal",
+    "Execution was aborted by a termination signal",
+    "exception WorkerStopped:",
+)
 
 
 class _ConsoleOnce(logging.Filter):

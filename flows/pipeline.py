@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -136,8 +137,9 @@ def dflash_pipeline(
             raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
         stopped = procs.stop_workers()
-        if stopped:
-            run_logger().warning("stopped extraction workers %s (%s)", stopped, type(e).__name__)
+        if stopped:  # a stop's own message says so (the CLI prints it): then a line for the UI only
+            level = logging.INFO if isinstance(e, (KeyboardInterrupt, TerminationSignal)) else logging.WARNING
+            run_logger().log(level, "stopped extraction workers %s (%s)", stopped, type(e).__name__)
         _publish_failure(summary, runner.stage, e)
         if isinstance(e, TerminationSignal) and _cancelling():
             # The worker's SIGTERM of a cancelled run (UI, `prefect flow-run cancel`): end as Cancelled, not as a
