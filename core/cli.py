@@ -245,13 +245,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             for line in rebuild_plan_records(store, report):
                 print(line)
-            damaged = sorted(report.damaged_units())
+            damaged = report.damaged_units()
             if damaged:
-                store.discard_units(version, damaged)
+                store.discard_units(version, sorted(damaged), {u: why[0] for u, why in damaged.items()})
                 print(
-                    f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(damaged)}): rerun the "
-                    "pipeline's extract stage on this store (with validate) to extract exactly their samples again; "
-                    "validation then moves CURRENT"
+                    f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(sorted(damaged))}): "
+                    "rerun the pipeline's extract stage on this store (with validate) to extract exactly their "
+                    "samples again (until then `verify` exits 1, naming them); validation then moves CURRENT"
                 )
         except (PipelineError, OSError) as e:
             print(f"error: repair of {store.loc.url_of(version)} stopped: {e}", file=sys.stderr)

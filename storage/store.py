@@ -94,6 +94,9 @@ class PlanResult:
 
 
 DISCARDED = ".discarded"  # <version>/.discarded/: units `verify --repair` moved out of the store, until deleted
+# <version>/discarded.json: {unit: {"at", "why"}} of the units `verify --repair` discarded, until a run rebuilds them
+# (so verify, readers and the run say so, instead of calling the unit's directory missing)
+DISCARD_RECORD = "discarded.json"
 BRIEF = "(brief)"  # in a store lock's holder: the holder will let go soon; a run may wait for it
 
 
@@ -534,7 +537,8 @@ class Store:
         report = verify_version(self, version, digests=False)
         for line in rebuild_plan_records(self, report):
             log.warning("store version %s: %s", self.loc.url_of(version), line)
-        damaged = report.damaged_units()
+        damaged = report.units_to_rebuild()
+        discarded = self.discard_record(version)
         for u, problems in damaged.items():
             unit_url = self.loc.url_of(self._unit_rel(version, u))
             try:
@@ -562,12 +566,19 @@ class Store:
                     f"{len(wrong)} such samples), so it cannot be rebuilt from it: delete the unit's directory and "
                     "its plan record, and rerun to plan those samples again into a new unit"
                 )
-            log.warning(
-                "unit %s failed verification (%s); discarding it and extracting its %d samples again",
-                self.loc.url_of(self._unit_rel(version, u)),
-                "; ".join(problems[:3]),
-                len(plan["samples"]),
-            )
+            if u in discarded and not self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json"):
+                log.info(
+                    "unit %s was discarded by verify --repair: extracting its %d samples again",
+                    unit_url,
+                    len(plan["samples"]),
+                )
+            else:
+                log.warning(
+                    "unit %s failed verification (%s); discarding it and extracting its %d samples again",
+                    unit_url,
+                    "; ".join(problems[:3]),
+                    len(plan["samples"]),
+                )
             order = [row_of[sid] for sid, _, _ in plan["samples"]]
             self._create_unit(
                 version,
@@ -580,18 +591,42 @@ class Store:
                 attrs.get("capture_last", False),
                 quant.scheme(attrs),
             )
+        self._record_discards(version, dict.fromkeys(damaged, ""), rebuilt=True)
         return sorted(damaged)
 
-    def discard_units(self, version: str, units: list[str]) -> None:
+    def discard_record(self, version: str) -> dict[str, dict]:
+        """{unit: {"at": UTC time, "why": the first problem}} of the units `verify --repair` discarded and no run
+        has rebuilt yet ({} when none, or when the record is unreadable: it only explains a missing unit)."""
+        try:
+            rec = self.loc.read_json(f"{version}/{DISCARD_RECORD}", {})
+        except ValueError:
+            return {}
+        return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
+
+    def _record_discards(self, version: str, why: dict[str, str], rebuilt: bool = False) -> None:
+        rec = self.discard_record(version)
+        if rebuilt:
+            if not any(u in rec for u in why):
+                return
+            rec = {u: e for u, e in rec.items() if u not in why}
+        else:
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            rec.update({u: {"at": at, "why": w} for u, w in why.items()})
+        self.loc.write_json_atomic(f"{version}/{DISCARD_RECORD}", rec)
+
+    def discard_units(self, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
         """Delete these units' directories, keeping their plan records: the next extraction of this version
-        creates them again from the records and recomputes exactly their samples.
+        creates them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from
+        `verify --repair`): each unit is recorded in `<version>/discarded.json` until a run rebuilds it.
 
         A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed
         out of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one
         line: the file, the error, what state the unit is in)."""
         for u in units:
             rel = self._unit_rel(version, u)
-            log.warning("discarding unit %s", self.loc.url_of(rel))
+            log.debug("discarding unit %s", self.loc.url_of(rel))
+            if why is not None:  # recorded first: a unit out of the store is never unexplained
+                self._record_discards(version, {u: why.get(u) or "damaged"})
             if not isinstance(self.loc, LocalLocation):
                 try:
                     self.loc.rmtree(rel)

@@ -44,6 +44,7 @@ from dflash_pipeline.storage.store import Store
 log = logging.getLogger(__name__)
 DAMAGED, INCOMPLETE, RETIRED, RECORD = "damaged", "incomplete", "retired", "record"
 DUPLICATE = "duplicate"  # a unit holding samples another unit holds: which one belongs is for a person to say
+DISCARDED = "discarded"  # a unit `verify --repair` discarded (<version>/discarded.json): a rerun of extract rebuilds it
 REBUILD_PLAN = "`dflash-pipeline verify <store> --repair`, or a rerun of extract, rewrites it from them"
 REBUILD_VERSION_RECORD = (
     "a rerun of extract with the same run (same model, layers, dtype and dataset) rebuilds it from the run's "
@@ -83,12 +84,16 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def damaged_units(self) -> dict[str, list[str]]:
+    def damaged_units(self, kinds: tuple[str, ...] = (DAMAGED,)) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for p in self.problems:
-            if p.kind == DAMAGED and p.unit != "-":
+            if p.kind in kinds and p.unit != "-":
                 out.setdefault(p.unit, []).append(f"{p.file}: {p.what}")
         return out
+
+    def units_to_rebuild(self) -> dict[str, list[str]]:
+        """What a run of extract creates again from the plan records: damaged units and those already discarded."""
+        return self.damaged_units((DAMAGED, DISCARDED))
 
     def summary(self) -> str:
         how = "sizes and XXH3-128 digests" if self.digests else "presence and sizes"
@@ -109,6 +114,9 @@ class VerifyReport:
                 verdict += f", {records} damaged records of intact data (`verify --repair` rewrites them, see above)"
             if any(p.kind == DAMAGED and p.unit == "-" for p in self.problems):
                 verdict += ", the version's own records or attributes damaged (see above)"
+            if discarded := [p.unit for p in self.problems if p.kind == DISCARDED]:
+                n = counted(len(discarded), "unit")
+                verdict += f", {n} discarded by `verify --repair` (a rerun of extract rebuilds them)"
             if deleted:
                 verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
             if dupes := [p.unit for p in self.problems if p.kind == DUPLICATE]:
@@ -201,6 +209,12 @@ def check_unit(
             what = f"unit directory missing or not a zarr group, and its {plan_problem or 'plan record is missing'}"
             return [P("", what + f": {CANNOT_REBUILD}")], 0, 0
         n = len(plan.get("samples") or [])
+        if entry := store.discard_record(version).get(unit):
+            what = (
+                f"discarded by `dflash-pipeline verify --repair` at {entry.get('at')} ({entry.get('why')}); a rerun "
+                f"of extract on this store extracts its {n} samples again"
+            )
+            return [P("", what, DISCARDED)], 0, 0
         return [P("", f"unit directory missing or not a zarr group (planned with {n} samples)")], 0, 0
     try:
         attrs = store.unit_attrs(version, unit)

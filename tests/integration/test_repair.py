@@ -31,7 +31,7 @@ def _run(out, runner=None):
     return runner
 
 
-def test_current_moves_only_after_a_repair_validates(small_store, original, tmp_path, capsys):
+def test_current_moves_only_after_a_repair_validates(small_store, original, tmp_path, capsys, caplog):
     before, batches = original
     root, version = tmp_path / "store", small_store.plan.version
     shutil.copytree(small_store.store, root)
@@ -47,9 +47,21 @@ def test_current_moves_only_after_a_repair_validates(small_store, original, tmp_
     assert not json.loads((root / version / "validation.json").read_text())["ok"]
 
     assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1
-    capsys.readouterr()
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "discard" in line]
+    assert len(said) == 1 and said[0].startswith("discarded 1 damaged unit of v0001 (u00000)"), said  # once
+    # until the rerun, verify (and readers) say the unit was discarded by the repair, when and why: not "missing"
+    assert cli(["verify", str(root), "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert "u00000" in out and "discarded by `dflash-pipeline verify --repair` at " in out and "content differs" in out
+    assert "0 damaged units" in out and "1 unit discarded by `verify --repair`" in out and "missing" not in out
+    with pytest.raises(StoreError, match="discarded by `dflash-pipeline verify --repair`"):
+        HiddenStateDataset(root, version=version, unvalidated="warn")
+    caplog.clear()
     runner = _run(tmp_path)
     assert runner.results["plan"].repaired_units == ["u00000"]  # discarded by verify --repair, rebuilt here
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "u00000" in r.getMessage()]
+    assert json.loads((root / version / "discarded.json").read_text()) == {}  # rebuilt: no longer discarded
     assert sum(r.forward_passes for r in runner.results["extract"]) == batches["u00000"]
     assert store.current() == version and runner.results["validate"].ok
     assert_same_store(before, snapshot(store, version))
