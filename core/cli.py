@@ -154,9 +154,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.set)
-        from dflash_pipeline.preflight import preflight
+        from dflash_pipeline.preflight import preflight, store_precision_refusal
 
-        preflight(cfg)
+        preflight(cfg, what_if=True)
         from dflash_pipeline import stages
 
         cfg = stages.resolve_paths(cfg)
@@ -166,6 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"data": stages.regenerated_data(cfg)})
         prepared = stages.prepare(cfg, report)  # written under output_dir/prepared: `run` reuses it
         est = stages.estimate(cfg, report, prepared)
+        if refusal := store_precision_refusal(cfg):
+            est.notes.insert(0, f"a run with these settings will be refused: {refusal}")
         if regenerated:
             est.notes.insert(
                 0,
@@ -285,6 +287,8 @@ def _console_logging(args: argparse.Namespace) -> None:
     else:  # plain lines like run's: an INFO record as its message, a warning or error as "LEVEL: message"
         handler = logging.StreamHandler()
         handler.setFormatter(_PlainLines())
+        if args.command == "plan":
+            handler.setLevel(logging.WARNING)  # its report is the output; the stages' INFO lines are for the UI
         logging.basicConfig(level=logging.INFO, handlers=[handler])
     for noisy in ("httpx", "httpcore", "uvicorn", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

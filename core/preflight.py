@@ -38,8 +38,9 @@ def _local(path: str) -> str:
     return os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Raise the first problem found, naming the field, the value and the fix."""
+def preflight(cfg: RunConfig, what_if: bool = False) -> None:
+    """Raise the first problem found, naming the field, the value and the fix. `what_if` (`plan`): not what a
+    run would refuse only for the store it would write to (store_precision_refusal: the plan notes it)."""
     from dflash_pipeline.embedded import EMBEDDED, SHIPPED_TARGET
     from dflash_pipeline.extraction.layers import select_layer_ids
     from dflash_pipeline.extraction.modelfiles import read_model_config
@@ -69,6 +70,25 @@ def preflight(cfg: RunConfig) -> None:
     elif not tok and cfg.target.model_path != "embedded":
         check_tokenizer_dir(_local(cfg.target.model_path), "target.model_path", cfg.target.trust_remote_code)
     _check_data(cfg)
+    if not what_if and (refusal := store_precision_refusal(cfg)):
+        raise ConfigError(refusal)
+
+
+def store_precision_refusal(cfg: RunConfig) -> str | None:
+    """Why the run will refuse a local store none of whose versions holds the configured precision (a version
+    holds one precision): it would say so only after the probe, regenerate and prepare. None when it will not, or
+    when the store's records cannot be read (the run's own checks name what is wrong)."""
+    if "extract" not in cfg.stages or cfg.extract.new_version or "://" in cfg.store:
+        return None
+    path = _local(cfg.store)
+    if not os.path.isdir(path):
+        return None
+    from dflash_pipeline.storage.store import Store
+
+    try:
+        return Store(path).precision_refusal(cfg.extract.store_precision)
+    except Exception:  # noqa: BLE001 - damaged records: the run's own checks report them
+        return None
 
 
 def prefect_home() -> None:

@@ -395,7 +395,8 @@ def said_estimate(e) -> str:
 def said_extract(plan, results) -> str:
     tokens = sum(r.tokens for r in results)
     if not tokens:
-        return f"nothing to extract: {plan.version_path} already holds every sample ({counted(plan.n_units, 'unit')})"
+        where = shown(plan.version_path)
+        return f"nothing to extract: {where} already holds every sample ({counted(plan.n_units, 'unit')})"
     wall = max((r.seconds for r in results), default=0.0)
     rate = f", {tokens / wall:,.0f} tokens/s" if wall else ""
     return f"{tokens:,} tokens in {counted(sum(len(r.units) for r in results), 'unit')}{rate}"

@@ -243,15 +243,17 @@ def _build(cfg: DataConfig, source: str, tokenizer, fp: str, final: Path, progre
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    reasons = lambda d: f" ({', '.join(f'{k}: {v}' for k, v in d.items())})" if d else ""  # noqa: E731
     log.info(
-        "prepared %d samples (%d tokens, %.1f%% supervised) from %d rows; %d quarantined %s; dropped %s -> %s",
+        "prepared %d samples (%d tokens, %.1f%% supervised) from %d rows; %d quarantined%s; %d dropped%s -> %s",
         n,
         res.n_tokens,
         100 * res.supervised_share,
         n_rows,
         len(quarantine),
-        by_reason,
-        dict(dropped),
+        reasons(by_reason),
+        sum(dropped.values()),
+        reasons(dict(dropped)),
         final,
     )
     return res

@@ -34,7 +34,10 @@ def read_model_config(model_path: str) -> dict:
             "directory (config.json + *.safetensors) or 'embedded'"
         )
     if not cfg.exists():
-        raise CompatError(f"{p} has no config.json: not a HF checkpoint directory")
+        raise CompatError(
+            f"target.model_path {p} has no config.json: not a HF checkpoint directory; give the directory that holds "
+            "the checkpoint's config.json and *.safetensors (or 'embedded')"
+        )
     try:
         return json.loads(cfg.read_text())
     except json.JSONDecodeError as e:

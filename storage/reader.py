@@ -68,7 +68,14 @@ def published_version(store: Store, unvalidated: str = "refuse") -> str:
         return current
     versions = store.versions()
     if not versions:
-        raise StoreError(f"no store version under {store.url} (give the store's path, <output_dir>/store)")
+        there = (
+            " (it does not exist)"
+            if not store.loc.exists("")
+            else f" (did you mean {store.loc.url_of('store')}?)"
+            if store.loc.exists("store")
+            else ""
+        )
+        raise StoreError(f"no store version under {store.url}{there}: give the store's path, <output_dir>/store")
     states = ", ".join(f"{v} ({validation_status(store, v) or 'validated'})" for v in versions)
     msg = f"store {store.url} has no published version: CURRENT is missing (versions: {states})"
     if unvalidated == "refuse":

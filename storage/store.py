@@ -325,15 +325,37 @@ class Store:
         first commit, e.g. on broken weights): they must not block the next run. Returns those left."""
         current, kept = self.current(), []
         for v in versions:
-            if retention.read_record(self, v):  # its data were deleted by retention: it had data, keep its record
-                kept.append(v)
-                continue
-            if v != current and not any(self.commit_record(v, u).get("committed_tokens", 0) > 0 for u in self.units(v)):
+            if not self._held(v, current):
                 log.warning("removing store version %s: nothing was ever committed to it", self.loc.url_of(v))
                 self.loc.rmtree(v)
                 continue
             kept.append(v)
         return kept
+
+    def _held(self, version: str, current: str | None) -> bool:
+        """CURRENT, or a version that holds committed tokens, or whose data retention deleted (it keeps its
+        record): a version a run keeps."""
+        if version == current or retention.read_record(self, version):
+            return True
+        return any(self.commit_record(version, u).get("committed_tokens", 0) > 0 for u in self.units(version))
+
+    def precision_refusal(self, precision: str) -> str | None:
+        """Why a run writing `precision` into this store without extract.new_version will be refused (as
+        resolve_version refuses it, after the probe), when no version the run would keep holds that precision;
+        None when one does, or the store holds none. Reads the versions' attributes only, changes nothing."""
+        current = self.current()
+        versions = [v for v in self.versions() if not retention.read_record(self, v).get("prune")]
+        kept = [v for v in versions if self._held(v, current)]
+        want = quant.precision_attrs(precision)
+        keys = ("precision", quant.INT8_SCALES_ATTR)
+        if not kept or any(all(_identity(self.attrs(v), k) == want.get(k) for k in keys) for v in kept):
+            return None
+        last = kept[-1]
+        return (
+            f"extract.store_precision={precision}: store {self.url} holds {quant.scheme(self.attrs(last))} states "
+            f"(version {last}), and a version holds one precision. Set extract.new_version=true to write a new "
+            f"version in {precision} beside it, or use another store_path"
+        )
 
     def _new_version_name(self) -> str:
         versions = self.versions()

@@ -220,3 +220,12 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
     commit.write_text(json.dumps({**json.loads(commit.read_text()), "by": "someone else"}))
     with pytest.raises(StoreError, match=r"changed since it passed validation \(units \['u00000'\]"):
         HiddenStateDataset(root, version)
+
+
+def test_a_path_that_is_not_a_store_says_what_to_give(tmp_path):
+    """The commonest slip: the run's output directory (or a typo) instead of its store."""
+    (tmp_path / "run" / "store" / "v0001").mkdir(parents=True)
+    with pytest.raises(StoreError, match=r"under .*/run \(did you mean .*/run/store\?\): give the store's path"):
+        HiddenStateDataset(tmp_path / "run")
+    with pytest.raises(StoreError, match=r"under .*/nope \(it does not exist\)"):
+        HiddenStateDataset(tmp_path / "nope")

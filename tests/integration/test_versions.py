@@ -111,3 +111,28 @@ def test_failed_run_with_broken_weights_does_not_block_the_next(tmp_path, model_
     ok = extract_local(tmp_path / "run", overrides)
     assert ok.plan.version == "v0001" and ok.result.forward_passes > 0
     assert len(HiddenStateDataset(tmp_path / "run/store", "v0001", unvalidated="warn")) == 8
+
+
+def test_a_precision_the_store_does_not_hold_is_refused_before_the_run(small_store, tmp_path):
+    """A version holds one precision: a run with another (without extract.new_version) is refused in the pre-run
+    checks, not after probe, regenerate and prepare; `plan` notes it; a store that also holds that precision, or
+    new_version, is no refusal."""
+    from dflash_pipeline.errors import ConfigError
+    from dflash_pipeline.preflight import preflight, store_precision_refusal
+    from tests.helpers import config
+
+    over = {"store_path": str(small_store.store), "stages": ["prepare", "extract"]}
+    with pytest.raises(ConfigError, match=r"store_precision=int4: store .* holds full states \(version v0001\)"):
+        preflight(config(tmp_path, {**over, "extract.store_precision": "int4"}))
+    preflight(config(tmp_path, {**over, "extract.store_precision": "int4"}), what_if=True)  # plan: a note
+    assert store_precision_refusal(config(tmp_path, {**over, "extract.store_precision": "full"})) is None
+    assert (
+        store_precision_refusal(
+            config(tmp_path, {**over, "extract.store_precision": "int4", "extract.new_version": True})
+        )
+        is None
+    )
+    assert (
+        store_precision_refusal(config(tmp_path, {**over, "stages": ["prepare"], "extract.store_precision": "int4"}))
+        is None
+    )

@@ -36,3 +36,21 @@ def test_paths_on_the_console_are_relative_to_where_the_user_is(tmp_path, monkey
         "store: runs/e/store version v0001 (no new samples, nothing to extract; validation not run); read it with "
         "dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)",
     ]
+
+
+def test_plan_prints_its_report_and_warnings_only():
+    """`plan`'s output is its report: the stages' INFO lines (the prepare stage's summary, with its Python dicts)
+    belong to a run's UI, not under the report; warnings still show, as one line each."""
+    import subprocess
+    import sys
+
+    code = (
+        "import argparse, logging; from dflash_pipeline.cli import _console_logging\n"
+        "for command in ('plan', 'verify'):\n"
+        "    logging.getLogger().handlers.clear()\n"
+        "    _console_logging(argparse.Namespace(command=command, verbose=False))\n"
+        "    logging.getLogger('dflash_pipeline.dataprep.prepare').info(command + ' info')\n"
+        "    logging.getLogger('dflash_pipeline.dataprep.prepare').warning(command + ' warned')\n"
+    )
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert err.splitlines() == ["WARNING: plan warned", "verify info", "WARNING: verify warned"], err
