@@ -243,7 +243,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             else f"{line}: {unvalidated_fix(store, version)}"
         )
     print(report.summary() + ("" if not unvalidated or args.unvalidated else "; not validated (see above)"))
-    if args.repair and (report.damaged_units() or any(p.kind == RECORD for p in report.problems)):
+    if args.repair and report.damaged_units() and not report.attributes_vouched:
+        print(
+            "not discarding units: the version's own attributes are damaged or unrecorded (see above), and units are "
+            "checked against them. Rerun the same `run` on this store first (extract restores them from the run's "
+            "provenance, or says why it cannot), then `verify --repair` again if units still fail"
+        )
+    elif args.repair and (report.damaged_units() or any(p.kind == RECORD for p in report.problems)):
         try:
             for line in rebuild_plan_records(store, report):
                 print(line)

@@ -79,6 +79,9 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0  # bytes of the committed files (read whole when digests are checked)
     seconds: float = 0.0
+    # False when the version's own attributes are damaged or unrecorded: the units were checked against attributes
+    # nothing vouches for, so their problems may be the attributes' (`verify --repair` then discards no unit)
+    attributes_vouched: bool = True
 
     @property
     def ok(self) -> bool:
@@ -114,6 +117,8 @@ class VerifyReport:
                 verdict += f", {records} damaged records of intact data (`verify --repair` rewrites them, see above)"
             if any(p.kind == DAMAGED and p.unit == "-" for p in self.problems):
                 verdict += ", the version's own records or attributes damaged (see above)"
+            if not self.attributes_vouched and self.damaged_units():
+                verdict += " (the units were checked against those attributes: a rerun of extract first)"
             if discarded := [p.unit for p in self.problems if p.kind == DISCARDED]:
                 n = counted(len(discarded), "unit")
                 verdict += f", {n} discarded by `verify --repair` (a rerun of extract rebuilds them)"
@@ -347,8 +352,8 @@ def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None =
             what = (
                 f"stored as {a.dtype} {list(a.shape[1:])} per token, but the version's attributes (precision "
                 f"{scheme}, logical_dtype {attrs['logical_dtype']}, hidden_size {attrs['hidden_size']}) say {dtype} "
-                f"{list(row)}: the array and the version's zarr.json disagree, so neither can be trusted; extract "
-                "the version again (extract.new_version=true)"
+                f"{list(row)}: the unit's array metadata disagrees with the version's attributes, which match the "
+                "version record, so the unit is damaged; `verify --repair` discards it and a rerun rebuilds it"
             )
             problems.append(Problem(unit, name, f"units/{unit}/{name}/zarr.json", what))
         elif n_tokens is not None and a.shape[0] != n_tokens:
@@ -411,7 +416,9 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
     """Check everything of `version`; never raises on damaged data (problems are in the report)."""
     t0 = time.monotonic()
     report = VerifyReport(version, store.loc.url_of(version), digests)
-    report.problems += check_version_attrs(store, version)
+    attr_problems = check_version_attrs(store, version)
+    report.problems += attr_problems
+    report.attributes_vouched = not attr_problems
     try:
         attrs = store.attrs(version)
         capture_last, precision = bool(attrs.get("capture_last")), quant.scheme(attrs)
@@ -435,7 +442,9 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
 
     def check(u: str) -> tuple[list[Problem], int, int]:
         problems, n_files, n_bytes = check_unit(store, version, u, capture_last, digests, precision)
-        if attrs is not None and store.loc.exists(f"{version}/units/{u}/zarr.json"):
+        # (against attributes nothing vouches for, every unit would disagree with an edited one: found by a damage
+        # check, where `verify --repair` then discarded every intact unit of the version)
+        if attrs is not None and report.attributes_vouched and store.loc.exists(f"{version}/units/{u}/zarr.json"):
             try:
                 g = store.open_unit(version, u)
                 problems += layout_problems(u, {k: g[k] for k in ARRAYS if k in g}, attrs)

@@ -126,6 +126,29 @@ def test_a_deleted_version_record_is_rebuilt_by_the_rerun(small_store, original,
     assert len(HiddenStateDataset(root)) == 60
 
 
+@pytest.mark.parametrize("edit", [{"logical_dtype": "float16"}, {"layer_ids": [1, 3]}, {"precision": "fp8"}])
+def test_an_edited_root_attribute_costs_no_unit(small_store, original, tmp_path, capsys, edit):
+    """A root attribute that changes the layout (found by a damage check): every unit disagreed with it, and
+    `verify --repair`, which the reader's error names, discarded every intact unit. Now it discards none and says to
+    rerun; the rerun restores the attribute from the run's provenance without extracting a sample."""
+    before, _ = original
+    root, version = _copy(small_store, tmp_path)
+    meta = root / version / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"].update(edit)
+    meta.write_text(json.dumps(doc))
+    units = sorted(p.name for p in (root / version / "units").iterdir() if p.is_dir())
+    assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert f"version attribute {next(iter(edit))} was altered" in out and "\ndiscarded" not in out
+    assert "not discarding units" in out or " 0 damaged units" in out
+    assert sorted(p.name for p in (root / version / "units").iterdir() if p.is_dir()) == units
+    runner = _run(tmp_path)
+    assert sum(r.forward_passes for r in runner.results["extract"]) == 0 and runner.results["validate"].ok
+    assert cli(["verify", str(root)]) == 0
+    assert_same_store(before, snapshot(Store(root), version))
+
+
 def test_a_rebuilt_version_record_keeps_an_older_published_version_readable(small_store, tmp_path):
     """A CURRENT version published before validation.json existed (no report, no validated_before_publishing flag)
     whose version.json is lost: the rebuilt record must not gain the flag, or its readers would refuse it for a
