@@ -148,7 +148,7 @@ class Location(ABC):
 
     @abstractmethod
     def rmtree(self, rel: str) -> None:
-        """Delete `rel` and everything below it (nothing if it does not exist)."""
+        """Delete `rel`: a file, or a directory and everything below it (nothing if it does not exist)."""
 
     @abstractmethod
     def copy_tree(self, src: str, dst: str) -> None:
@@ -277,8 +277,11 @@ class LocalLocation(Location):
         return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
 
     def rmtree(self, rel: str) -> None:
-        if self._p(rel).exists():
-            shutil.rmtree(self._p(rel))
+        p = self._p(rel)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():  # a file (a plan record), or a link: itself, never what it points to
+            p.unlink()
 
     def copy_tree(self, src: str, dst: str) -> None:
         # Hard links: no data copied (falls back to a copy across filesystems).

@@ -181,7 +181,7 @@ class S3Location(Location):
     def _files(self, rel: str) -> list[str]:
         top = self._p(rel)
         try:
-            return [f for f in self.fs.find(top) if f.startswith(top + "/")]
+            return [f for f in self.fs.find(top) if f == top or f.startswith(top + "/")]
         except FileNotFoundError:
             return []
 

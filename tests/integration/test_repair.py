@@ -213,3 +213,19 @@ def test_validation_without_extract_never_changes_the_store(small_store, tmp_pat
     validation = f"{version}/validation.json"
     assert {k: v for k, v in after.items() if k != validation} == {k: v for k, v in files.items() if k != validation}
     assert Store(root).current() == version and not json.loads(after[validation])["ok"]
+
+
+def test_a_half_planned_unit_is_planned_again(small_store, original, tmp_path):
+    """The planner writes a unit's plan record, then its `planned` attribute last: a kill between the two leaves a
+    half-planned unit beside its plan record (found by a damage check: the rerun crashed, removing the plan record
+    with a directory remover). The rerun removes both and plans the samples again."""
+    before, _ = original
+    root, version = _copy(small_store, tmp_path)
+    meta = root / version / "units" / "u00001" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["planned"] = False
+    meta.write_text(json.dumps(doc))
+    runner = _run(tmp_path)
+    assert runner.results["validate"].ok and Store(root).current() == version
+    assert cli(["verify", str(root)]) == 0
+    assert_same_store(before, snapshot(Store(root), version))
