@@ -88,9 +88,13 @@ class VerifyReport:
         return not self.problems
 
     def damaged_units(self, kinds: tuple[str, ...] = (DAMAGED,)) -> dict[str, list[str]]:
+        """{unit: its problems} of the units with problems of `kinds`, except units holding samples another unit
+        holds: which of the two belongs is for a person to say, so no repair discards or rebuilds them (found by a
+        damage check: a plan record copied in was rebuilt into a unit of duplicates)."""
         out: dict[str, list[str]] = {}
+        duplicated = {p.unit for p in self.problems if p.kind == DUPLICATE}
         for p in self.problems:
-            if p.kind in kinds and p.unit != "-":
+            if p.kind in kinds and p.unit != "-" and p.unit not in duplicated:
                 out.setdefault(p.unit, []).append(f"{p.file}: {p.what}")
         return out
 
@@ -412,6 +416,25 @@ def _sample_ids(store: Store, version: str, unit: str) -> list[tuple[str, str]]:
     return []
 
 
+def _replaced(store: Store, version: str, p: Problem) -> Problem:
+    """A duplicate unit whose plan record lists other samples than its attributes: its directory was replaced by a
+    copy of another unit, and the plan record still says what it held; say so (the fix differs)."""
+    try:
+        planned = {str(s[0]) for s in (store.plan_record(version, p.unit) or {}).get("samples") or []}
+        held = {str(s[0]) for s in store.unit_attrs(version, p.unit).get("samples") or []}
+    except Exception:  # noqa: BLE001 - unreadable records: check_unit names them
+        return p
+    if not planned or planned == held:
+        return p
+    other = counted(len(planned), "other sample")
+    what = (
+        f"{p.what.split('. If this unit', 1)[0]}; its plan record {PLANS}/{p.unit}.json lists {other}: its "
+        f"directory was replaced by a copy of another unit. Delete units/{p.unit} only (not its plan record): a "
+        "rerun of extract rebuilds it from the plan record"
+    )
+    return Problem(p.unit, p.array, p.file, what, DUPLICATE)
+
+
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
     """Check everything of `version`; never raises on damaged data (problems are in the report)."""
     t0 = time.monotonic()
@@ -457,7 +480,10 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
             report.problems += problems
             report.files += n_files
             report.bytes += n_bytes
-    report.problems += duplicate_samples(pair for u in units for pair in _sample_ids(store, version, u))
+    report.problems += [
+        _replaced(store, version, p)
+        for p in duplicate_samples(pair for u in units for pair in _sample_ids(store, version, u))
+    ]
     if not units and not gone:
         report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
     report.seconds = time.monotonic() - t0
@@ -486,8 +512,12 @@ def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
     (problem kind "record" on plans/<unit>.json), from those attributes; the unit's files are not touched.
     Returns one line per record rewritten."""
     done = []
+    duplicated = {p.unit for p in report.problems if p.kind == DUPLICATE}
     for p in report.problems:
         if p.kind != RECORD or not p.file.startswith(f"{PLANS}/"):
+            continue
+        if p.unit in duplicated:  # its attributes are another unit's samples: they cannot vouch for its plan
+            done.append(f"not rewriting {p.file}: unit {p.unit} holds samples another unit holds (see above)")
             continue
         attrs = store.unit_attrs(report.version, p.unit)
         plan = {k: attrs[k] for k in PLANNED_KEYS}

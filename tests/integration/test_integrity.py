@@ -219,6 +219,36 @@ def test_a_unit_copied_into_the_version_is_named_not_read_twice(small_store, ori
     assert_same_store(original[0], snapshot(Store(root), version))
 
 
+def test_a_unit_replaced_by_a_copy_of_another_is_not_repaired_into_duplicates(small_store, original, tmp_path, capsys):
+    """Found by a damage check: u00001's directory replaced by a copy of u00000 (its records included). verify
+    blamed u00001's plan record, `--repair` rewrote it from the copy, and the rerun extracted u00001's lost samples
+    into a new unit, then failed validation on the duplicates. Now the plan record stays, verify says the directory
+    was replaced and what to delete; after that the rerun rebuilds exactly u00001. And a plan record copied in
+    alone (no unit) is not rebuilt into a unit of duplicates."""
+    before, batches = original
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    v = root / version
+    plan = (v / "plans/u00001.json").read_bytes()
+    shutil.rmtree(v / U1)
+    shutil.copytree(v / U0, v / U1)
+    assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert "its directory was replaced by a copy of another unit. Delete units/u00001 only" in out, out
+    assert "not rewriting plans/u00001.json" in out and (v / "plans/u00001.json").read_bytes() == plan
+    assert (v / U1).is_dir()  # not for --repair to guess which copy belongs
+    shutil.rmtree(v / U1)  # the documented fix
+    rerun = extract_local(tmp_path, SMALL)
+    assert rerun.result.forward_passes == batches["u00001"]
+    assert_same_store(before, snapshot(Store(root), version))
+
+    shutil.copy(v / "plans/u00000.json", v / "plans/u00009.json")  # a plan record alone, copied in
+    assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
+    assert "u00009" in capsys.readouterr().out
+    rerun = extract_local(tmp_path, SMALL)
+    assert rerun.result.forward_passes == 0 and not (v / "units/u00009").exists()
+
+
 def test_missing_unit_directory_is_named_and_rebuilt(small_store, original, tmp_path, capsys):
     before, batches = original
     root, version = tmp_path / "store", small_store.plan.version
