@@ -119,6 +119,8 @@ def summary_lines(s, seconds: float) -> list[str]:
             f"acceptance length {s.acceptance_length:.2f} tokens per target step"
             + (f" (untrained drafter: {base:.2f})" if base is not None else "")
         )
+    for f, taus in (s.acceptance_by or {}).items():  # evaluate.slice_by: the whole table is the evaluate artifact's
+        lines.append(f"acceptance length by {f}: " + ", ".join(f"{v} {t:.2f}" for v, t in taus.items()))
     if s.reused:
         lines.append(f"reused from earlier runs: {', '.join(s.reused)}")
     return lines

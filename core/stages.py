@@ -386,6 +386,7 @@ class RunSummary:
     final_loss: float | None = None
     acceptance_length: float | None = None
     untrained_acceptance_length: float | None = None
+    acceptance_by: dict[str, dict[str, float]] = field(default_factory=dict)  # evaluate.slice_by: {field: {value: tau}}
     reused: list[str] = field(default_factory=list)  # what this run reused of earlier ones (core/progress.py)
 
     def to_dict(self) -> dict[str, Any]:
@@ -558,4 +559,8 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                 summary.acceptance_length = round(acceptance.acceptance_length, 3)
                 untrained = acceptance.untrained_acceptance_length
                 summary.untrained_acceptance_length = round(untrained, 3) if untrained is not None else None
+                summary.acceptance_by = {
+                    f: {e["value"]: round(e["acceptance_length"], 3) for e in entries}
+                    for f, entries in acceptance.slices.items()
+                }
     return summary

@@ -54,3 +54,10 @@ def test_plan_prints_its_report_and_warnings_only():
     )
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert err.splitlines() == ["WARNING: plan warned", "verify info", "WARNING: verify warned"], err
+
+
+def test_the_summary_gives_the_acceptance_length_of_each_slice():
+    s = RunSummary(
+        output_dir="out", store="s", acceptance_length=3.5, acceptance_by={"domain": {"code": 4.123, "chat": 2.9}}
+    )
+    assert "acceptance length by domain: code 4.12, chat 2.90" in summary_lines(s, 1.0)
