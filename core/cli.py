@@ -286,7 +286,8 @@ class _PlainLines(logging.Formatter):
 
 def _console_logging(args: argparse.Namespace) -> None:
     """`run`: one progress display (core/progress.py) and, on the console, warnings and errors only (every record
-    with --verbose); the records still reach the Prefect UI. Other commands: every INFO record, as lines."""
+    with --verbose); the records still reach the Prefect UI. `plan`: warnings only (its report is its output).
+    Other commands: every INFO record, as lines."""
     from dflash_pipeline.progress import ConsoleHandler, hide_gpu_notes_without_gpu
 
     hide_gpu_notes_without_gpu()  # transformers' notes on missing GPU kernels, on a machine without a GPU

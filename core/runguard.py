@@ -160,12 +160,26 @@ class _ConsoleOnce(logging.Filter):
         return not any(s in msg for s in _STOP_CRASHES) and not any(t in msg for t in _reported)
 
 
+SERVER_LOG_BYTES = 1 << 20  # past this, the log moves to temporary-server.log.1 (replacing it) at the next start
+
+
 def temporary_server_log() -> Path:
-    """Where the output of Prefect's temporary server goes: temporary-server.log under Prefect's home
-    (rewritten at each start), beside the server's database."""
+    """Where the output of Prefect's temporary server goes: temporary-server.log under Prefect's home, beside the
+    server's database; each start appends a line naming the run's pid and port."""
     from prefect.settings import PREFECT_HOME
 
     return Path(PREFECT_HOME.value()).expanduser() / "temporary-server.log"
+
+
+def _open_server_log(port: int | None):
+    log = temporary_server_log()
+    if log.exists() and log.stat().st_size > SERVER_LOG_BYTES:
+        os.replace(log, log.with_name(log.name + ".1"))
+    out = open(log, "ab")  # appended: runs sharing Prefect's home, and a start Prefect retries on another port
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    out.write(f"--- {stamp} temporary server of pid {os.getpid()} on port {port}\n".encode())
+    out.flush()
+    return out
 
 
 def isolate_ephemeral_server() -> None:
@@ -189,8 +203,11 @@ def isolate_ephemeral_server() -> None:
 
         def in_own_session(*args, **kwargs):
             kwargs.setdefault("start_new_session", True)
-            log = temporary_server_log()
-            with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+            try:
+                out = _open_server_log(self.port)
+            except OSError:  # the log cannot be written: the console it is, as before
+                return popen(*args, **kwargs)
+            with out:  # the child keeps its own copy of the descriptor
                 kwargs.setdefault("stdout", out)
                 kwargs.setdefault("stderr", subprocess.STDOUT)
                 return popen(*args, **kwargs)

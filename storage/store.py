@@ -348,7 +348,9 @@ class Store:
         kept = [v for v in versions if self._held(v, current)]
         want = quant.precision_attrs(precision)
         keys = ("precision", quant.INT8_SCALES_ATTR)
-        if not kept or any(all(_identity(self.attrs(v), k) == want.get(k) for k in keys) for v in kept):
+        # any version of that precision is one the run may resume (even one a crash left empty); only kept versions
+        # of other precisions refuse it (an empty one is removed by the run)
+        if not kept or any(all(_identity(self.attrs(v), k) == want.get(k) for k in keys) for v in versions):
             return None
         last = kept[-1]
         return (
@@ -613,7 +615,7 @@ class Store:
                 attrs.get("capture_last", False),
                 quant.scheme(attrs),
             )
-        self._record_discards(version, dict.fromkeys(damaged, ""), rebuilt=True)
+            self._record_discards(version, {u: ""}, remove=True)  # planned again: no longer discarded
         return sorted(damaged)
 
     def discard_record(self, version: str) -> dict[str, dict]:
@@ -625,9 +627,9 @@ class Store:
             return {}
         return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
 
-    def _record_discards(self, version: str, why: dict[str, str], rebuilt: bool = False) -> None:
+    def _record_discards(self, version: str, why: dict[str, str], remove: bool = False) -> None:
         rec = self.discard_record(version)
-        if rebuilt:
+        if remove:
             if not any(u in rec for u in why):
                 return
             rec = {u: e for u, e in rec.items() if u not in why}
@@ -667,6 +669,8 @@ class Store:
                 trash.mkdir(exist_ok=True)
                 os.rename(src, dst)
             except OSError as e:
+                if why is not None:  # still in the store: not discarded
+                    self._record_discards(version, {u: ""}, remove=True)
                 raise StoreError(
                     f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
                     "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"

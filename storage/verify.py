@@ -82,6 +82,7 @@ class VerifyReport:
     # False when the version's own attributes are damaged or unrecorded: the units were checked against attributes
     # nothing vouches for, so their problems may be the attributes' (`verify --repair` then discards no unit)
     attributes_vouched: bool = True
+    duplicated: set[str] = field(default_factory=set)  # units holding samples another holds: no repair touches them
 
     @property
     def ok(self) -> bool:
@@ -92,9 +93,8 @@ class VerifyReport:
         holds: which of the two belongs is for a person to say, so no repair discards or rebuilds them (found by a
         damage check: a plan record copied in was rebuilt into a unit of duplicates)."""
         out: dict[str, list[str]] = {}
-        duplicated = {p.unit for p in self.problems if p.kind == DUPLICATE}
         for p in self.problems:
-            if p.kind in kinds and p.unit != "-" and p.unit not in duplicated:
+            if p.kind in kinds and p.unit != "-" and p.unit not in self.duplicated:
                 out.setdefault(p.unit, []).append(f"{p.file}: {p.what}")
         return out
 
@@ -356,8 +356,9 @@ def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None =
             what = (
                 f"stored as {a.dtype} {list(a.shape[1:])} per token, but the version's attributes (precision "
                 f"{scheme}, logical_dtype {attrs['logical_dtype']}, hidden_size {attrs['hidden_size']}) say {dtype} "
-                f"{list(row)}: the unit's array metadata disagrees with the version's attributes, which match the "
-                "version record, so the unit is damaged; `verify --repair` discards it and a rerun rebuilds it"
+                f"{list(row)}: the unit's array metadata and the version's attributes disagree. If `verify` reports "
+                "no damaged version attribute, the unit is damaged: `verify --repair` discards it and a rerun "
+                "rebuilds it"
             )
             problems.append(Problem(unit, name, f"units/{unit}/{name}/zarr.json", what))
         elif n_tokens is not None and a.shape[0] != n_tokens:
@@ -381,28 +382,64 @@ def _check_sample_table(attrs: dict, P) -> list[Problem]:
     return []
 
 
-def duplicate_samples(samples: Iterable[tuple[str, str]]) -> list[Problem]:
-    """(sample_id, unit) pairs, in reading order -> one problem per unit that holds samples an earlier unit holds
-    too (a unit directory copied into the version, or planned twice). Not repaired automatically: either copy may
-    be the one that belongs."""
+def _duplicates(samples: Iterable[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """(sample_id, unit) pairs, in reading order -> {unit: [(sample_id, the earlier unit holding it too)]}."""
     first: dict[str, str] = {}
     dupes: dict[str, list[tuple[str, str]]] = {}
     for sid, unit in samples:
         other = first.setdefault(sid, unit)
         if other != unit:
             dupes.setdefault(unit, []).append((sid, other))
+    return dupes
+
+
+def _duplicate_line(pairs: list[tuple[str, str]]) -> str:
+    return f"holds {counted(len(pairs), 'sample')} that unit {pairs[0][1]} holds too (e.g. sample {pairs[0][0]})"
+
+
+def duplicate_samples(samples: Iterable[tuple[str, str]]) -> list[Problem]:
+    """(sample_id, unit) pairs, in reading order -> one problem per unit that holds samples an earlier unit holds
+    too (a unit directory copied into the version, or planned twice). Not repaired automatically: either copy may
+    be the one that belongs; `verify` says which, when the records show it (`duplicate_problems`)."""
     return [
         Problem(
             unit,
             "-",
             f"units/{unit}",
-            f"holds {counted(len(pairs), 'sample')} that unit {pairs[0][1]} holds too (e.g. sample {pairs[0][0]}): a "
-            "version stores each sample once. If this unit was copied in, delete its directory and plans/"
-            f"{unit}.json; if the other one was, delete that one's; then verify again",
+            f"{_duplicate_line(pairs)}: a version stores each sample once; `dflash-pipeline verify` says which "
+            "of the two does not belong and what to delete",
             DUPLICATE,
         )
-        for unit, pairs in dupes.items()
+        for unit, pairs in _duplicates(samples).items()
     ]
+
+
+def duplicate_problems(store: Store, version: str, units: list[str]) -> tuple[list[Problem], set[str]]:
+    """verify's problems for units holding the same samples, and every unit involved (no repair touches them). A
+    unit whose plan record lists other samples than its attributes had its directory replaced by a copy of the
+    other unit (found by a damage check, either way round): it is named, with its fix; otherwise the later unit
+    is, with both possible fixes."""
+    problems, involved = [], set()
+    for unit, pairs in _duplicates(pair for u in units for pair in _sample_ids(store, version, u)).items():
+        other = pairs[0][1]
+        involved |= {unit, other}
+        replaced = next((u for u in (unit, other) if _replaced_by_copy(store, version, u)), None)
+        if replaced is not None:
+            what = (
+                f"holds the samples of unit {unit if replaced == other else other} (e.g. sample {pairs[0][0]}), "
+                f"while its plan record {PLANS}/{replaced}.json lists others: its directory was replaced by a copy of "
+                f"that unit. Delete units/{replaced} only (not its plan record): a rerun of extract rebuilds it from "
+                "the plan record"
+            )
+            problems.append(Problem(replaced, "-", f"units/{replaced}", what, DUPLICATE))
+        else:
+            what = (
+                f"{_duplicate_line(pairs)}: a version stores each sample once. If this unit was copied in, "
+                f"delete its directory and plans/{unit}.json; if the other one was, delete that one's; then verify "
+                "again"
+            )
+            problems.append(Problem(unit, "-", f"units/{unit}", what, DUPLICATE))
+    return problems, involved
 
 
 def _sample_ids(store: Store, version: str, unit: str) -> list[tuple[str, str]]:
@@ -416,23 +453,14 @@ def _sample_ids(store: Store, version: str, unit: str) -> list[tuple[str, str]]:
     return []
 
 
-def _replaced(store: Store, version: str, p: Problem) -> Problem:
-    """A duplicate unit whose plan record lists other samples than its attributes: its directory was replaced by a
-    copy of another unit, and the plan record still says what it held; say so (the fix differs)."""
+def _replaced_by_copy(store: Store, version: str, unit: str) -> bool:
+    """Whether the unit's directory holds other samples than its plan record lists (both readable)."""
     try:
-        planned = {str(s[0]) for s in (store.plan_record(version, p.unit) or {}).get("samples") or []}
-        held = {str(s[0]) for s in store.unit_attrs(version, p.unit).get("samples") or []}
+        planned = {str(s[0]) for s in (store.plan_record(version, unit) or {}).get("samples") or []}
+        held = {str(s[0]) for s in store.unit_attrs(version, unit).get("samples") or []}
     except Exception:  # noqa: BLE001 - unreadable records: check_unit names them
-        return p
-    if not planned or planned == held:
-        return p
-    other = counted(len(planned), "other sample")
-    what = (
-        f"{p.what.split('. If this unit', 1)[0]}; its plan record {PLANS}/{p.unit}.json lists {other}: its "
-        f"directory was replaced by a copy of another unit. Delete units/{p.unit} only (not its plan record): a "
-        "rerun of extract rebuilds it from the plan record"
-    )
-    return Problem(p.unit, p.array, p.file, what, DUPLICATE)
+        return False
+    return bool(planned) and bool(held) and planned != held
 
 
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
@@ -480,10 +508,9 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
             report.problems += problems
             report.files += n_files
             report.bytes += n_bytes
-    report.problems += [
-        _replaced(store, version, p)
-        for p in duplicate_samples(pair for u in units for pair in _sample_ids(store, version, u))
-    ]
+    dupes, report.duplicated = duplicate_problems(store, version, units)
+    # a duplicated unit's records cannot vouch for each other (its "damaged plan record" is a copy's attributes)
+    report.problems = [p for p in report.problems if not (p.kind == RECORD and p.unit in report.duplicated)] + dupes
     if not units and not gone:
         report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
     report.seconds = time.monotonic() - t0
@@ -512,12 +539,8 @@ def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
     (problem kind "record" on plans/<unit>.json), from those attributes; the unit's files are not touched.
     Returns one line per record rewritten."""
     done = []
-    duplicated = {p.unit for p in report.problems if p.kind == DUPLICATE}
     for p in report.problems:
-        if p.kind != RECORD or not p.file.startswith(f"{PLANS}/"):
-            continue
-        if p.unit in duplicated:  # its attributes are another unit's samples: they cannot vouch for its plan
-            done.append(f"not rewriting {p.file}: unit {p.unit} holds samples another unit holds (see above)")
+        if p.kind != RECORD or not p.file.startswith(f"{PLANS}/") or p.unit in report.duplicated:
             continue
         attrs = store.unit_attrs(report.version, p.unit)
         plan = {k: attrs[k] for k in PLANNED_KEYS}

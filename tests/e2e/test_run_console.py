@@ -25,16 +25,14 @@ def _run(out: Path, *extra: str, api_url: str | None = None) -> subprocess.Compl
     env.pop("PREFECT_API_URL", None)  # a user's first run: Prefect's temporary server
     if api_url:
         env["PREFECT_API_URL"] = api_url
-    res = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.cli", "run", "--config", str(ROOT / "configs" / "embedded.yaml")]
-        + sets
-        + [f"--set=output_dir={out}", *extra],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = [sys.executable, "-m", "dflash_pipeline.cli", "run", "--config", str(ROOT / "configs" / "embedded.yaml")]
+    args += [*sets, f"--set=output_dir={out}", *extra]
+    with subprocess.Popen(
+        args, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        stdout, stderr = proc.communicate(timeout=600)
+    res = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    res.pid = proc.pid  # (the temporary server's log names the run by it)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -55,7 +53,8 @@ def test_the_console_of_a_run_and_of_its_rerun(tmp_path, model_dir, prefect_harn
     for noise in ("falling back", "flash-linear-attention", "train step", "Finished in state", "{", "Traceback"):
         assert noise not in text, (noise, text)
     # the temporary server's own output (a shutdown traceback at times) goes to its log under Prefect's home
-    assert (Path(CLEAN_ENV["PREFECT_HOME"]) / "temporary-server.log").is_file()
+    log = (Path(CLEAN_ENV["PREFECT_HOME"]) / "temporary-server.log").read_text()
+    assert f"temporary server of pid {res.pid} on port " in log, log
     assert res.stdout.count("acceptance length") == 1
     # paths as the user sees them from where the command ran (the run resolved them to absolute ones)
     assert res.stdout.count(f"store: {out.name}/store version") == 1 and str(out) not in res.stdout

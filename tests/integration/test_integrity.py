@@ -219,32 +219,41 @@ def test_a_unit_copied_into_the_version_is_named_not_read_twice(small_store, ori
     assert_same_store(original[0], snapshot(Store(root), version))
 
 
-def test_a_unit_replaced_by_a_copy_of_another_is_not_repaired_into_duplicates(small_store, original, tmp_path, capsys):
-    """Found by a damage check: u00001's directory replaced by a copy of u00000 (its records included). verify
-    blamed u00001's plan record, `--repair` rewrote it from the copy, and the rerun extracted u00001's lost samples
-    into a new unit, then failed validation on the duplicates. Now the plan record stays, verify says the directory
-    was replaced and what to delete; after that the rerun rebuilds exactly u00001. And a plan record copied in
-    alone (no unit) is not rebuilt into a unit of duplicates."""
+@pytest.mark.parametrize(("replaced", "copied"), [(U1, U0), (U0, U1)])
+def test_a_unit_replaced_by_a_copy_of_another_is_not_repaired_into_duplicates(
+    small_store, original, tmp_path, capsys, replaced, copied
+):
+    """Found by damage checks: a unit's directory replaced by a copy of another unit (its records included). verify
+    blamed the replaced unit's plan record, `--repair` (and a plain rerun) rewrote it from the copy, and the rerun
+    extracted the lost samples into a new unit, then failed validation on the duplicates; with the copy sorting
+    first, verify told the user to delete the intact unit. Now no repair touches either unit, verify names the
+    replaced one whichever way round and says to delete its directory only; then the rerun rebuilds exactly it. A
+    plan record copied in alone (no unit) is not rebuilt into a unit of duplicates."""
     before, batches = original
     root, version = tmp_path / "store", small_store.plan.version
     shutil.copytree(small_store.store, root)
     v = root / version
-    plan = (v / "plans/u00001.json").read_bytes()
-    shutil.rmtree(v / U1)
-    shutil.copytree(v / U0, v / U1)
+    name, other = replaced.rsplit("/", 1)[-1], copied.rsplit("/", 1)[-1]
+    plan = (v / f"plans/{name}.json").read_bytes()
+    shutil.rmtree(v / replaced)
+    shutil.copytree(v / copied, v / replaced)
+    with pytest.raises(StoreError, match="unit u0000[01]"):  # refused: its records disagree, or a duplicate
+        HiddenStateDataset(root, version, unvalidated="warn")
     assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
     out = capsys.readouterr().out
-    assert "its directory was replaced by a copy of another unit. Delete units/u00001 only" in out, out
-    assert "not rewriting plans/u00001.json" in out and (v / "plans/u00001.json").read_bytes() == plan
-    assert (v / U1).is_dir()  # not for --repair to guess which copy belongs
-    shutil.rmtree(v / U1)  # the documented fix
+    assert (
+        f"unit {name}" in out and f"its directory was replaced by a copy of that unit. Delete units/{name} only" in out
+    )
+    assert f"plans/{other}.json" not in out and "rewrote" not in out and "discarded" not in out, out
+    assert (v / f"plans/{name}.json").read_bytes() == plan and (v / replaced).is_dir() and (v / copied).is_dir()
+    shutil.rmtree(v / replaced)  # the documented fix
     rerun = extract_local(tmp_path, SMALL)
-    assert rerun.result.forward_passes == batches["u00001"]
+    assert rerun.result.forward_passes == batches[name]
     assert_same_store(before, snapshot(Store(root), version))
 
     shutil.copy(v / "plans/u00000.json", v / "plans/u00009.json")  # a plan record alone, copied in
     assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
-    assert "u00009" in capsys.readouterr().out
+    assert "delete its directory and plans/u00009.json" in capsys.readouterr().out
     rerun = extract_local(tmp_path, SMALL)
     assert rerun.result.forward_passes == 0 and not (v / "units/u00009").exists()
 

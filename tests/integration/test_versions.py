@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -136,3 +138,14 @@ def test_a_precision_the_store_does_not_hold_is_refused_before_the_run(small_sto
         store_precision_refusal(config(tmp_path, {**over, "stages": ["prepare"], "extract.store_precision": "int4"}))
         is None
     )
+    # an int4 version a crash left without a commit (new_version once, then a rerun without it): the run resumes it
+    root = tmp_path / "store"
+    shutil.copytree(small_store.store, root)
+    shutil.copytree(root / "v0001", root / "v0002")
+    doc = json.loads((root / "v0002/zarr.json").read_text())
+    doc["attributes"]["precision"] = "int4"
+    (root / "v0002/zarr.json").write_text(json.dumps(doc))
+    for rec in (root / "v0002/units").glob("*/commit.json"):
+        rec.unlink()
+    int4 = {"store_path": str(root), "stages": ["prepare", "extract"], "extract.store_precision": "int4"}
+    assert store_precision_refusal(config(tmp_path, int4)) is None
