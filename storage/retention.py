@@ -214,8 +214,9 @@ def _sizes(store: Store, rel: str) -> tuple[int, int]:
 def _delete_unit(store: Store, version: str, unit: str) -> tuple[int, int]:
     rel = f"{version}/units/{unit}"
     sizes = _sizes(store, rel)
-    if isinstance(store.loc, LocalLocation):
-        # The group's zarr.json first: from then on nothing takes the leftovers for a unit.
+    if isinstance(store.loc, LocalLocation) and not (store.loc.root / rel).is_symlink():
+        # The group's zarr.json first: from then on nothing takes the leftovers for a unit. (A unit that is a link
+        # to another disk: the link goes, in one step, and nothing it points to.)
         (store.loc.root / rel / "zarr.json").unlink(missing_ok=True)
     store.loc.rmtree(rel)
     crash_point("retention_unit_deleted")

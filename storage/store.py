@@ -675,6 +675,9 @@ class Store:
                     f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
                     "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
                 ) from e
+            if dst.is_symlink():  # a unit linked from another disk: the link goes, never what it points to
+                dst.unlink()
+                continue
             errors: list[str] = []
             shutil.rmtree(dst, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
             if errors:

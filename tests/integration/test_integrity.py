@@ -302,3 +302,28 @@ def test_on_object_storage_damage_is_named_and_repaired(s3, small_store, origina
     assert rerun.result.forward_passes == batches["u00000"] + batches["u00001"]
     assert_same_store(before, snapshot(store, ex.plan.version))
     assert cli(["verify", url, "--unvalidated", *opts]) == 0
+
+
+def test_a_unit_linked_from_another_disk_is_read_through_and_its_target_never_deleted(
+    small_store, original, tmp_path, capsys
+):
+    """docs/STORE.md: a unit directory may be a symbolic link; it reads as any other, and discarding it (here after a
+    flipped byte) removes the link only, never the files it points to; the rerun rebuilds the unit in the store."""
+    before, batches = original
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    elsewhere = tmp_path / "other-disk" / "u00001"
+    elsewhere.parent.mkdir()
+    shutil.move(root / version / U1, elsewhere)
+    (root / version / U1).symlink_to(elsewhere, target_is_directory=True)
+    assert cli(["verify", str(root), "--unvalidated"]) == 0
+    assert_same_store(before, snapshot(Store(root), version))
+
+    _flip(elsewhere / "hidden/c/0/0/0")
+    kept = sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*"))
+    assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1
+    assert "discarded 1 damaged unit of v0001 (u00001)" in capsys.readouterr().out
+    assert not (root / version / U1).exists() and sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*")) == kept
+    rerun = extract_local(tmp_path, SMALL)
+    assert rerun.result.forward_passes == batches["u00001"]
+    assert_same_store(before, snapshot(Store(root), version))
