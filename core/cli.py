@@ -212,17 +212,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check a store version completely; one line per problem, then a summary. Exit 0 healthy and validated, 1
     not, 2 the store or version cannot be read (no published version), 3 a repair could not be finished."""
+    from contextlib import ExitStack
+
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.leases import ReaderLease
     from dflash_pipeline.storage.reader import published_version
     from dflash_pipeline.storage.store import Store
-    from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
-    from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records, verify_version
+    from dflash_pipeline.storage.validated import validation_status
+    from dflash_pipeline.storage.verify import verify_version
 
+    held = ExitStack()  # with --repair: the store's lock, so no run plans or extracts while units are discarded
     try:
         store = Store(args.store, json.loads(args.store_options) if args.store_options else None)
         store.check_readable()
+        if args.repair:
+            held.enter_context(store.lock(brief="verify --repair"))
         version = args.version or published_version(store, "warn" if args.unvalidated else "refuse")
         if version not in store.versions():
             raise PipelineError(f"no store version {version} under {store.url} (versions: {store.versions()})")
@@ -233,8 +237,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         finally:
             lease.release()
     except PipelineError as e:
+        held.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    with held:
+        return _verified(args, store, version, report, unvalidated)
+
+
+def _verified(args: argparse.Namespace, store, version: str, report, unvalidated: str | None) -> int:
+    """verify's report, and with --repair the repair (under the store's lock)."""
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.progress import counted
+    from dflash_pipeline.storage.validated import unvalidated_fix
+    from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records
+
     for p in report.problems:
         print(p.line())
     if unvalidated:
@@ -256,7 +272,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for line in rebuild_plan_records(store, report):
                 print(line)
             damaged = report.damaged_units()
-            if damaged:
+            if damaged and not store.resumable(version):
+                print(
+                    f"not discarding units of {version}: a newer version of the same target, layers and precision "
+                    "exists, and runs extract into the newest one only, so nothing would rebuild them. Readers of "
+                    f"{version} keep getting the error naming them; read the newer version, or prune this one"
+                )
+            elif damaged:
                 store.discard_units(version, sorted(damaged), {u: why[0] for u, why in damaged.items()})
                 print(
                     f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(sorted(damaged))}): "

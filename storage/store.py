@@ -339,6 +339,12 @@ class Store:
             return True
         return any(self.commit_record(version, u).get("committed_tokens", 0) > 0 for u in self.units(version))
 
+    def resumable(self, version: str) -> bool:
+        """Whether a run can write into `version` again: only the newest version of its identity (a run resumes
+        or extends the newest version of its identity; an older one, CURRENT or not, is only read, then pruned)."""
+        attrs, later = self.attrs(version), [v for v in self.versions() if v > version]
+        return not any(same_identity(self.attrs(v), attrs) for v in later)
+
     def precision_refusal(self, precision: str) -> str | None:
         """Why a run writing `precision` into this store without extract.new_version will be refused (as
         resolve_version refuses it, after the probe), when no version the run would keep holds that precision;
@@ -353,6 +359,9 @@ class Store:
         if not kept or any(all(_identity(self.attrs(v), k) == want.get(k) for k in keys) for v in versions):
             return None
         last = kept[-1]
+        record = (self.version_record(last) or {}).get("attrs") or {}
+        if any(digest.of_attr(self.attrs(last).get(k)) != record.get(k) for k in keys if k in record):
+            return None  # its precision attributes were edited: the run restores them from its provenance first
         return (
             f"extract.store_precision={precision}: store {self.url} holds {quant.scheme(self.attrs(last))} states "
             f"(version {last}), and a version holds one precision. Set extract.new_version=true to write a new "
@@ -504,6 +513,11 @@ class Store:
         assigned: set[str] = set()
         for u in self.units(version):
             assigned.update(s[0] for s in self.unit_attrs(version, u)["samples"])
+        for u in self.planned_units(version):  # a unit no repair touches (a duplicate pair) keeps its samples
+            try:
+                assigned.update(s[0] for s in (self.plan_record(version, u) or {}).get("samples") or [])
+            except ValueError:  # an unreadable plan record: verify and validation name it
+                pass
         todo = [i for i, s in enumerate(sample_ids) if s not in assigned]
         groups: list[list[int]] = []
         cur, cur_tokens = [], 0
@@ -623,7 +637,7 @@ class Store:
         has rebuilt yet ({} when none, or when the record is unreadable: it only explains a missing unit)."""
         try:
             rec = self.loc.read_json(f"{version}/{DISCARD_RECORD}", {})
-        except ValueError:
+        except (ValueError, OSError):  # (a directory in its place, unreadable: it explains nothing then)
             return {}
         return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
 

@@ -246,6 +246,8 @@ def test_a_unit_replaced_by_a_copy_of_another_is_not_repaired_into_duplicates(
     )
     assert f"plans/{other}.json" not in out and "rewrote" not in out and "discarded" not in out, out
     assert (v / f"plans/{name}.json").read_bytes() == plan and (v / replaced).is_dir() and (v / copied).is_dir()
+    # a rerun before the fix extracts nothing: the lost samples are still the replaced unit's (its plan record)
+    assert extract_local(tmp_path, SMALL).result.forward_passes == 0 and not (v / "units/u00002").exists()
     shutil.rmtree(v / replaced)  # the documented fix
     rerun = extract_local(tmp_path, SMALL)
     assert rerun.result.forward_passes == batches[name]

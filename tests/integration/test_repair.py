@@ -236,3 +236,35 @@ def test_a_half_planned_unit_is_planned_again(small_store, original, tmp_path):
     assert runner.results["validate"].ok and Store(root).current() == version
     assert cli(["verify", str(root)]) == 0
     assert_same_store(before, snapshot(Store(root), version))
+
+
+def test_repair_takes_the_store_lock_and_survives_a_damaged_discard_record(small_store, original, tmp_path, capsys):
+    """Found by a damage check: `verify --repair` discarded a unit a running extraction was rebuilding (it took no
+    lock), and a discarded.json replaced by a directory made verify and every rerun fail with a traceback."""
+    before, batches = original
+    root, version = _copy(small_store, tmp_path)
+    _flip(root / version / U0 / "hidden/c/0/0/0")
+    with Store(root).lock():  # a run holds the store
+        assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 2
+    assert "is in use by another run" in capsys.readouterr().err
+    assert (root / version / U0).is_dir()  # nothing discarded under a run
+    assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1
+    (root / version / "discarded.json").unlink()
+    (root / version / "discarded.json").mkdir()
+    assert cli(["verify", str(root), "--unvalidated"]) == 1  # "unit directory missing", no traceback
+    runner = _run(tmp_path)
+    assert sum(r.forward_passes for r in runner.results["extract"]) == batches["u00000"]
+    assert_same_store(before, snapshot(Store(root), version))
+
+
+def test_no_unit_of_a_version_no_run_writes_again_is_discarded(small_store, tmp_path, capsys):
+    """Found by a damage check: `--repair --version` of an older version discarded units that no run rebuilds
+    (runs write the newest version of their identity), promising a rebuild that never came."""
+    root, version = _copy(small_store, tmp_path)
+    shutil.copytree(root / version, root / "v0002")  # a newer version of the same identity
+    store = Store(root)
+    assert not store.resumable(version) and store.resumable("v0002")
+    _flip(root / version / U0 / "hidden/c/0/0/0")
+    assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
+    assert f"not discarding units of {version}: a newer version" in capsys.readouterr().out
+    assert (root / version / U0).is_dir()

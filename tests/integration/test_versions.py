@@ -149,3 +149,10 @@ def test_a_precision_the_store_does_not_hold_is_refused_before_the_run(small_sto
         rec.unlink()
     int4 = {"store_path": str(root), "stages": ["prepare", "extract"], "extract.store_precision": "int4"}
     assert store_precision_refusal(config(tmp_path, int4)) is None
+    # a precision attribute edited in the store (found by a damage check: every rerun was refused): the version
+    # record says full, and the run restores the attribute from its provenance
+    shutil.rmtree(root / "v0002")
+    doc = json.loads((root / "v0001/zarr.json").read_text())
+    doc["attributes"]["precision"] = "fp8"
+    (root / "v0001/zarr.json").write_text(json.dumps(doc))
+    assert store_precision_refusal(config(tmp_path, {**int4, "extract.store_precision": "full"})) is None
