@@ -402,7 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _console_logging(args)
     _quiet_libraries()
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is a traceback nothing can catch
+        return rc
+    except BrokenPipeError:  # the reader of our output left (`verify ... | head -1`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush would fail on the closed pipe again
+        return 141
 
 
 if __name__ == "__main__":

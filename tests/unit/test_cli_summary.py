@@ -61,3 +61,21 @@ def test_the_summary_gives_the_acceptance_length_of_each_slice():
         output_dir="out", store="s", acceptance_length=3.5, acceptance_by={"domain": {"code": 4.123, "chat": 2.9}}
     )
     assert "acceptance length by domain: code 4.12, chat 2.90" in summary_lines(s, 1.0)
+
+
+def test_output_into_a_closed_pipe_stops_quietly():
+    """`dflash-pipeline verify ... | head -1` (found by a damage check): the reader leaving ended in a BrokenPipeError
+    traceback; now the command stops quietly with 141, as a shell's tools do."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "dflash_pipeline.cli", "show-config"], stdout=w, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(w)
+    assert res.returncode == 141 and res.stderr == "", res.stderr[-500:]
