@@ -30,6 +30,7 @@ from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.commit import crash_points_off, write_atomic
+from dflash_pipeline.storage.discard import discard_units
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
 from dflash_pipeline.storage.shardio import pid_alive
 from dflash_pipeline.storage.store import Store
@@ -241,7 +242,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
         except Exception as e:  # noqa: BLE001 - a plan must not fail on its calibration: say so, use synthetic
             fallback = f" (the CPU forward failed: {type(e).__name__}: {str(e)[:200]})"
             mode = "synthetic"
-            store.discard_units(version, [unit])  # recreated empty from its plan record
+            discard_units(store, version, [unit])  # recreated empty from its plan record
             store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
     if mode != "forward":
         _write_synthetic(store, version, unit, report, logical, precision)

@@ -248,6 +248,7 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
     """verify's report, and with --repair the repair (under the store's lock)."""
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.progress import counted
+    from dflash_pipeline.storage.discard import discard_units
     from dflash_pipeline.storage.validated import unvalidated_fix
     from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records
 
@@ -279,7 +280,7 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
                     f"{version} keep getting the error naming them; read the newer version, or prune this one"
                 )
             elif damaged:
-                store.discard_units(version, sorted(damaged), {u: why[0] for u, why in damaged.items()})
+                discard_units(store, version, sorted(damaged), {u: why[0] for u, why in damaged.items()})
                 print(
                     f"discarded {counted(len(damaged), 'damaged unit')} of {version} ({', '.join(sorted(damaged))}): "
                     "rerun the pipeline's extract stage on this store (with validate) to extract exactly their "

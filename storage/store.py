@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant, retention
+from dflash_pipeline.storage import digest, discard, quant, retention
 from dflash_pipeline.storage.layout import (
     DTYPES,
     FORMAT_VERSION,
@@ -34,7 +33,7 @@ from dflash_pipeline.storage.layout import (
     compressors,
     sharded_arrays,
 )
-from dflash_pipeline.storage.location import LocalLocation, Location, open_location, resource_error
+from dflash_pipeline.storage.location import Location, open_location, resource_error
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +92,6 @@ class PlanResult:
     repaired_units: list[str] = ()  # units that failed verification: discarded and planned again, as before
 
 
-DISCARDED = ".discarded"  # <version>/.discarded/: units `verify --repair` moved out of the store, until deleted
-# <version>/discarded.json: {unit: {"at", "why"}} of the units `verify --repair` discarded, until a run rebuilds them
-# (so verify, readers and the run say so, instead of calling the unit's directory missing)
-DISCARD_RECORD = "discarded.json"
 BRIEF = "(brief)"  # in a store lock's holder: the holder will let go soon; a run may wait for it
 
 
@@ -576,7 +571,7 @@ class Store:
         for line in rebuild_plan_records(self, report):
             log.warning("store version %s: %s", self.loc.url_of(version), line)
         damaged = report.units_to_rebuild()
-        discarded = self.discard_record(version)
+        discarded = discard.record(self, version)
         for u, problems in damaged.items():
             unit_url = self.loc.url_of(self._unit_rel(version, u))
             try:
@@ -629,77 +624,8 @@ class Store:
                 attrs.get("capture_last", False),
                 quant.scheme(attrs),
             )
-            self._record_discards(version, {u: ""}, remove=True)  # planned again: no longer discarded
+            discard.forget(self, version, u)  # planned again: no longer discarded
         return sorted(damaged)
-
-    def discard_record(self, version: str) -> dict[str, dict]:
-        """{unit: {"at": UTC time, "why": the first problem}} of the units `verify --repair` discarded and no run
-        has rebuilt yet ({} when none, or when the record is unreadable: it only explains a missing unit)."""
-        try:
-            rec = self.loc.read_json(f"{version}/{DISCARD_RECORD}", {})
-        except (ValueError, OSError):  # (a directory in its place, unreadable: it explains nothing then)
-            return {}
-        return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
-
-    def _record_discards(self, version: str, why: dict[str, str], remove: bool = False) -> None:
-        rec = self.discard_record(version)
-        if remove:
-            if not any(u in rec for u in why):
-                return
-            rec = {u: e for u, e in rec.items() if u not in why}
-        else:
-            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            rec.update({u: {"at": at, "why": w} for u, w in why.items()})
-        self.loc.write_json_atomic(f"{version}/{DISCARD_RECORD}", rec)
-
-    def discard_units(self, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
-        """Delete these units' directories, keeping their plan records: the next extraction of this version
-        creates them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from
-        `verify --repair`): each unit is recorded in `<version>/discarded.json` until a run rebuilds it.
-
-        A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed
-        out of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one
-        line: the file, the error, what state the unit is in)."""
-        for u in units:
-            rel = self._unit_rel(version, u)
-            log.debug("discarding unit %s", self.loc.url_of(rel))
-            if why is not None:  # recorded first: a unit out of the store is never unexplained
-                self._record_discards(version, {u: why.get(u) or "damaged"})
-            if not isinstance(self.loc, LocalLocation):
-                try:
-                    self.loc.rmtree(rel)
-                except OSError as e:
-                    raise StoreError(
-                        f"could not delete unit {self.loc.url_of(rel)} ({type(e).__name__}: {e}); delete it by hand, "
-                        "then rerun extract to rebuild it from its plan record"
-                    ) from e
-                continue
-            src = Path(self.loc.url_of(rel))
-            if not src.exists():
-                continue
-            trash = Path(self.loc.url_of(f"{version}/{DISCARDED}"))
-            dst = trash / f"{u}.{time.time_ns()}"
-            try:
-                trash.mkdir(exist_ok=True)
-                os.rename(src, dst)
-            except OSError as e:
-                if why is not None:  # still in the store: not discarded
-                    self._record_discards(version, {u: ""}, remove=True)
-                raise StoreError(
-                    f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
-                    "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
-                ) from e
-            if dst.is_symlink():  # a unit linked from another disk: the link goes, never what it points to
-                dst.unlink()
-                continue
-            errors: list[str] = []
-            shutil.rmtree(dst, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
-            if errors:
-                raise StoreError(
-                    f"unit {u} was discarded (moved out of the store to {dst}, so a rerun of extract rebuilds it from "
-                    f"its plan record), but {len(errors)} of its files could not be deleted, e.g. {errors[0]}: delete "
-                    f"{dst} once they can be (e.g. after `chattr -i`)"
-                )
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]

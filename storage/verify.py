@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.progress import counted
-from dflash_pipeline.storage import digest, quant, retention
+from dflash_pipeline.storage import digest, discard, quant, retention
 from dflash_pipeline.storage.layout import (
     ARRAYS,
     DTYPES,
@@ -218,7 +218,7 @@ def check_unit(
             what = f"unit directory missing or not a zarr group, and its {plan_problem or 'plan record is missing'}"
             return [P("", what + f": {CANNOT_REBUILD}")], 0, 0
         n = len(plan.get("samples") or [])
-        if entry := store.discard_record(version).get(unit):
+        if entry := discard.record(store, version).get(unit):
             what = (
                 f"discarded by `dflash-pipeline verify --repair` at {entry.get('at')} ({entry.get('why')}); a rerun "
                 f"of extract on this store extracts its {n} samples again"

@@ -1,0 +1,95 @@
+"""Units `dflash-pipeline verify --repair` discards: taken out of the store in one step, and recorded in
+`<version>/discarded.json` until a run rebuilds them from their plan records (so verify, readers and the run name
+the repair, when and why, instead of calling the unit's directory missing). docs/STORE.md describes both."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.location import LocalLocation
+
+if TYPE_CHECKING:
+    from dflash_pipeline.storage.store import Store
+
+log = logging.getLogger(__name__)
+TRASH = ".discarded"  # <version>/.discarded/: units moved out of the store, until deleted
+RECORD = "discarded.json"  # <version>/discarded.json: {unit: {"at", "why"}}
+
+
+def record(store: Store, version: str) -> dict[str, dict]:
+    """{unit: {"at": UTC time, "why": the first problem}} of the units `verify --repair` discarded and no run has
+    rebuilt yet ({} when none, or when the record is unreadable: it only explains a missing unit)."""
+    try:
+        rec = store.loc.read_json(f"{version}/{RECORD}", {})
+    except (ValueError, OSError):  # (a directory in its place, unreadable: it explains nothing then)
+        return {}
+    return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
+
+
+def note(store: Store, version: str, unit: str, why: str) -> None:
+    rec = record(store, version)
+    rec[unit] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "why": why}
+    store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
+
+
+def forget(store: Store, version: str, unit: str) -> None:
+    """The unit is no longer discarded (rebuilt, or never moved out)."""
+    rec = record(store, version)
+    if rec.pop(unit, None) is not None:
+        store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
+
+
+def discard_units(store: Store, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
+    """Delete these units' directories, keeping their plan records: the next extraction of this version creates
+    them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from `verify
+    --repair`): each unit is recorded in `<version>/discarded.json` until a run rebuilds it.
+
+    A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed out
+    of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one line: the
+    file, the error, what state the unit is in)."""
+    for u in units:
+        rel = f"{version}/units/{u}"
+        log.debug("discarding unit %s", store.loc.url_of(rel))
+        if why is not None:  # recorded first: a unit out of the store is never unexplained
+            note(store, version, u, why.get(u) or "damaged")
+        if not isinstance(store.loc, LocalLocation):
+            try:
+                store.loc.rmtree(rel)
+            except OSError as e:
+                raise StoreError(
+                    f"could not delete unit {store.loc.url_of(rel)} ({type(e).__name__}: {e}); delete it by hand, "
+                    "then rerun extract to rebuild it from its plan record"
+                ) from e
+            continue
+        src = Path(store.loc.url_of(rel))
+        if not src.exists():
+            continue
+        trash = Path(store.loc.url_of(f"{version}/{TRASH}"))
+        dst = trash / f"{u}.{time.time_ns()}"
+        try:
+            trash.mkdir(exist_ok=True)
+            os.rename(src, dst)
+        except OSError as e:
+            if why is not None:  # still in the store: not discarded
+                forget(store, version, u)
+            raise StoreError(
+                f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
+                "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
+            ) from e
+        if dst.is_symlink():  # a unit linked from another disk: the link goes, never what it points to
+            dst.unlink()
+            continue
+        errors: list[str] = []
+        shutil.rmtree(dst, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
+        if errors:
+            raise StoreError(
+                f"unit {u} was discarded (moved out of the store to {dst}, so a rerun of extract rebuilds it from "
+                f"its plan record), but {len(errors)} of its files could not be deleted, e.g. {errors[0]}: delete "
+                f"{dst} once they can be (e.g. after `chattr -i`)"
+            )
