@@ -16,7 +16,7 @@
 # fp8 (issue 31: extraction from the target in bf16, then the same weights in block-wise FP8; FP8_SHAPES, FP8_TOKENS,
 # FP8_TARGETS, FP8_PROFILE=N profiles N batches of (a), FP8_ARGS more extract_bench.py options),
 # fp8-equality (issue 31: the FP8 states per layer against the emulation, transformers' dequantized forward, bf16),
-# train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
+# train-precision (issue 29: training from a store of each TRAIN_PRECISIONS, default full and int4), train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
@@ -62,6 +62,13 @@ for step in "$@"; do
               | tee "$OUT/hybrid_log.txt" ;;
     train) python3 train_bench.py --minutes 2 --warmup-minutes 0.75 --profile-steps 4 \
              --variants "${TRAIN_VARIANTS:-defaults;compile=off}" --out "$OUT" 2>&1 | tee "$OUT/train_log.txt" ;;
+    # Issue 29 item 4: the drafter's training from a store of each precision (TRAIN_PRECISIONS), same variant and
+    # minutes (TRAIN_MIN), one target and store per precision (its work dir deleted after: the 8B checkpoint is 16 GB)
+    train-precision) for p in ${TRAIN_PRECISIONS:-full int4}; do
+                       python3 train_bench.py --precision "$p" --minutes "${TRAIN_MIN:-2}" --warmup-minutes 0.75 \
+                         --work "/tmp/tb-$p" --out "$OUT/train-$p" 2>&1 | tee "$OUT/train-${p}_log.txt"
+                       rm -rf "/tmp/tb-$p"
+                     done ;;
     # 12 minutes (a window of >= 10 after 1 of warm-up and the stop), longer than one device call: started detached (setsid outlives the call while the machine is
     # held), then `collect` in the next call (within the machine's 30 s idle window) waits for it by its pid.
     train-long) mkdir -p /tmp/train-long
