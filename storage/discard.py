@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.storage.leases import leases_line, live_leases
 from dflash_pipeline.storage.location import LocalLocation
 
 if TYPE_CHECKING:
@@ -45,6 +47,20 @@ def forget(store: Store, version: str, unit: str) -> None:
         store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
 
 
+def refuse_while_read(store: Store, version: str, units: list[str], then: str) -> None:
+    """Raise StoreError when another process holds a reader lease on `version`: deleting `units` would pull data
+    from under it (a reader checks a unit's files when it first opens the unit, and zarr reads a file deleted
+    since then as fill values). This process's own readers are the caller's to manage. `then`: what to run once
+    the readers are gone."""
+    host, pid = socket.gethostname(), os.getpid()
+    others = [x for x in live_leases(store, version) if not (x.get("host") == host and x.get("pid") == pid)]
+    if others:
+        raise StoreError(
+            f"unit(s) {', '.join(units)} of {store.loc.url_of(version)} must be deleted and rebuilt, but "
+            f"{leases_line(others)}: nothing was deleted. Stop those readers (or let them finish), then {then}"
+        )
+
+
 def discard_units(store: Store, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
     """Delete these units' directories, keeping their plan records: the next extraction of this version creates
     them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from `verify
@@ -52,7 +68,9 @@ def discard_units(store: Store, version: str, units: list[str], why: dict[str, s
 
     A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed out
     of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one line: the
-    file, the error, what state the unit is in)."""
+    file, the error, what state the unit is in). Nothing is discarded while another process reads the version
+    (`refuse_while_read`)."""
+    refuse_while_read(store, version, units, "run `dflash-pipeline verify --repair` again")
     for u in units:
         rel = f"{version}/units/{u}"
         log.debug("discarding unit %s", store.loc.url_of(rel))

@@ -572,6 +572,8 @@ class Store:
             log.warning("store version %s: %s", self.loc.url_of(version), line)
         damaged = report.units_to_rebuild()
         discarded = discard.record(self, version)
+        if present := [u for u in sorted(damaged) if self.loc.exists(self._unit_rel(version, u))]:
+            discard.refuse_while_read(self, version, present, "rerun to rebuild them")
         for u, problems in damaged.items():
             unit_url = self.loc.url_of(self._unit_rel(version, u))
             try:

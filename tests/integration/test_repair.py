@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,37 @@ def test_no_unit_of_a_version_no_run_writes_again_is_discarded(small_store, tmp_
     assert cli(["verify", str(root), "--version", version, "--repair", "--unvalidated"]) == 1
     assert f"not discarding units of {version}: a newer version" in capsys.readouterr().out
     assert (root / version / U0).is_dir()
+
+
+def test_no_repair_deletes_a_unit_from_under_a_reader_in_another_process(small_store, original, tmp_path, capsys):
+    """Found by a damage check: with a reader open in another process, `verify --repair` and the rerun's rebuild
+    deleted a damaged unit whose intact shards the reader went on to read as zeros, without an error. Both now
+    refuse while another process holds a lease, naming it and deleting nothing; once the reader is gone, the repair
+    and the rerun restore the store."""
+    before, batches = original
+    root, version = _copy(small_store, tmp_path)
+    _run(tmp_path)  # validated and published: a plain reader opens it
+    code = (
+        "import sys; from dflash_pipeline.storage.reader import HiddenStateDataset; "
+        "d = HiddenStateDataset(sys.argv[1]); print('ready', flush=True); sys.stdin.read()"
+    )
+    reader = subprocess.Popen([sys.executable, "-c", code, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert reader.stdout.readline().strip() == b"ready"
+        _flip(root / version / U0 / "hidden/c/0/0/0")
+        (root / version / U1 / "last_hidden/c/0/0").unlink()
+        capsys.readouterr()
+        assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 3
+        err = capsys.readouterr().err
+        assert f"pid {reader.pid}" in err and "nothing was deleted" in err and "verify --repair` again" in err, err
+        assert (root / version / U0).is_dir() and not (root / version / "discarded.json").exists()
+        with pytest.raises(StoreError, match=f"1 reader lease.*pid {reader.pid}.*rerun to rebuild"):
+            _run(tmp_path)
+        assert (root / version / U0 / "hidden/c/0/0/0").is_file()  # the intact shards stay where the reader reads
+    finally:
+        reader.kill()
+        reader.wait()
+    assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1  # the reader is gone: repaired
+    runner = _run(tmp_path)
+    assert sum(r.forward_passes for r in runner.results["extract"]) == batches["u00000"] + batches["u00001"]
+    assert_same_store(before, snapshot(Store(root), version))
