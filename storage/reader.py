@@ -39,6 +39,7 @@ from dflash_pipeline.storage.verify import (
     check_version_attrs,
     duplicate_samples,
     layout_problems,
+    null_entry_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -222,9 +223,11 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         listing = self.store.loc.list_files(rel)
         problems = []
         for f, want in sorted(self._files[unit].items()):
-            if want is None:
-                continue
             array = f.split("/", 1)[0] if "/" in f else "-"
+            if want is None:
+                if what := null_entry_problem(f, f in listing):
+                    problems.append(Problem(unit, array, f"units/{unit}/{f}", what))
+                continue
             size = listing.get(f)
             if size is None:
                 problems.append(

@@ -190,6 +190,17 @@ def short(v: Any) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
+def null_entry_problem(f: str, present: bool) -> str | None:
+    """What is wrong with a commit record's `null` entry for file `f` of a unit (zarr wrote no file: every value is
+    the fill value), `present`: whether the file exists. Valid only for the ids and mask chunks, with no file: a
+    shard of stored states is never all fill values (hidden states are never all zero)."""
+    if f.split("/", 1)[0] in SHARDED_ARRAYS and "/c/" in f:
+        return "recorded as no file (all fill values), but stored states are never all zero: the record was altered"
+    if present:
+        return "a file where the commit record says zarr wrote none (all fill values): the file or record was altered"
+    return None
+
+
 def check_unit(
     store: Store, version: str, unit: str, capture_last: bool, digests: bool, precision: str = "full"
 ) -> tuple[list[Problem], int, int]:
@@ -310,6 +321,8 @@ def check_unit(
     n_bytes = 0
     for f, want in sorted(files.items()):
         if want is None:  # zarr wrote no file: every value is the fill value
+            if what := null_entry_problem(f, f in listing):
+                problems.append(P(f, what))
             continue
         n_bytes += want["size"]
         size = listing.get(f)

@@ -67,6 +67,18 @@ def _swap_first_two(samples):
     return [[b, sa, na], [a, sb, nb]] + list(samples[2:])
 
 
+def _null_entry(unit_dir: Path, f: str, copy_from: Path | None) -> None:
+    """The commit record's entry for `f` edited to null ("zarr wrote no file"), the file then replaced by another
+    (a shard the record no longer vouches for) or deleted (its rows read back as zeros)."""
+    rec = json.loads((unit_dir / "commit.json").read_text())
+    rec["files"][f] = None
+    (unit_dir / "commit.json").write_text(json.dumps(rec))
+    if copy_from is None:
+        (unit_dir / f).unlink()
+    else:
+        shutil.copyfile(copy_from, unit_dir / f)
+
+
 def _edit_plan(version_dir: Path, unit: str, fn) -> None:
     path = version_dir / "plans" / f"{unit}.json"
     plan = json.loads(path.read_text())
@@ -95,6 +107,19 @@ DAMAGES = {
         f"{U1}/last_hidden/zarr.json",
         ["u00001"],
         True,
+    ),
+    # found by a damage check: a null entry ("zarr wrote no file") vouched for a replaced shard, or for zeros
+    "null_entry_replaced_shard": (
+        lambda v: _null_entry(v / U0, "hidden/c/0/0/0", v / U1 / "hidden/c/0/0/0"),
+        f"{U0}/hidden/c/0/0/0",
+        ["u00000"],
+        False,
+    ),
+    "null_entry_deleted_shard": (
+        lambda v: _null_entry(v / U1, "last_hidden/c/0/0", None),
+        f"{U1}/last_hidden/c/0/0",
+        ["u00001"],
+        False,
     ),
     "delete_commit": (lambda v: (v / U0 / "commit.json").unlink(), f"{U0}/commit.json", ["u00000"], False),
     "edit_version_dtype": (lambda v: _edit(v, "logical_dtype", lambda _: "bfloat16"), "logical_dtype", [], False),
