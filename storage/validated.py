@@ -35,21 +35,21 @@ def validation_status(store: Store, version: str) -> str | None:
     if rec is None:
         if store.current() != version:
             return "validation never ran on it (it has no validation.json)"
-        try:
-            record = store.version_record(version)
-        except (ValueError, OSError):
-            record = None
-        flag = record.get("validated_before_publishing") if isinstance(record, dict) else None
+        flag = _publish_flag(store, version)
         if flag is True:
             return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
         if flag is not None:  # only true is ever written
             return f"{VERSION_RECORD}'s validated_before_publishing is {short(flag)}, not true: the record was edited"
         return None  # published before validation.json existed
     if rec.get("ok") is not True:
-        failed = [c for c in rec.get("checks") or [] if not c.get("ok")]
+        checks = rec.get("checks") if isinstance(rec.get("checks"), list) else []
+        failed = [c for c in checks if isinstance(c, dict) and not c.get("ok")]
         first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""
         return f"its validation failed{first}"
     state = rec.get("state")
+    if (state is None and _publish_flag(store, version) is True) or not isinstance(state, dict | None):
+        # (reports without a state predate the version record's flag: versions made since always have one)
+        return f"its validation report {VALIDATION} has state {short(state)}, not what validation wrote: it was edited"
     if state is not None:
         try:
             now = validated_state(store, version)
@@ -65,6 +65,15 @@ def validation_status(store: Store, version: str) -> str | None:
             what = (["the version record"] if "-" in changed else []) + ([f"units {units}"] if units else [])
             return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
     return None
+
+
+def _publish_flag(store: Store, version: str):
+    """The version record's `validated_before_publishing` (None: no record, or a version made before the flag)."""
+    try:
+        record = store.version_record(version)
+    except (ValueError, OSError):
+        record = None
+    return record.get("validated_before_publishing") if isinstance(record, dict) else None
 
 
 def unvalidated_fix(store: Store, version: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -213,6 +214,15 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
     record.write_text(flagged)
     (root / "CURRENT").unlink()  # not published: never ran
     with pytest.raises(StoreError, match="validation never ran"):
+        HiddenStateDataset(root, version)
+
+    for state in ("null", "[]"):  # found by a damage check: a report without its state vouched for any change
+        report.write_text(passed.replace('"state": {', f'"state": {state}, "was": {{', 1))
+        with pytest.raises(StoreError, match=re.escape(f"validation.json has state {state}, not what validation wrote")):
+            HiddenStateDataset(root, version)
+    bad = {**json.loads(passed), "ok": False, "checks": "none"}  # an edited failed report: named, no traceback
+    report.write_text(json.dumps(bad))
+    with pytest.raises(StoreError, match="its validation failed"):
         HiddenStateDataset(root, version)
 
     report.write_text(passed)  # passed, but a unit changed since (e.g. rebuilt by an extract without validate)
