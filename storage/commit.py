@@ -131,8 +131,10 @@ def exclusive_lock(path: Path, holder: str, busy: Callable[[str], Exception]) ->
             raise busy(f.read().strip() or "unknown") from None
         f.seek(0)
         f.truncate()
-        f.write(holder)
-        f.flush()
+        try:
+            os.write(f.fileno(), holder.encode())
+        except OSError as e:  # a full disk: the flock is the lock, the text only names its holder
+            log.warning("holding %s without naming the holder in it (%s)", path, e.strerror)
         try:
             yield
         finally:

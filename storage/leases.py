@@ -55,6 +55,14 @@ def _release_held() -> None:
             pass
 
 
+def _no_lease(vdir: Path, e: OSError) -> None:
+    if str(vdir) not in _warned_no_lease:
+        _warned_no_lease.add(str(vdir))
+        log.warning(
+            "reading %s without a reader lease (%s): retention and pruning cannot see this reader", vdir, e.strerror
+        )
+
+
 class ReaderLease:
     """A reader's claim on a store version: `<version>/.leases/<name>.lease`, held with an exclusive flock for
     as long as the reader lives. Deletions (retention, pruning) skip a version, or the units of one, while
@@ -87,19 +95,19 @@ class ReaderLease:
             except FileNotFoundError:  # the empty lease directory was removed meanwhile: again
                 continue
             except OSError as e:
-                if str(vdir) not in _warned_no_lease:
-                    _warned_no_lease.add(str(vdir))
-                    log.warning(
-                        "reading %s without a reader lease (%s): retention and pruning cannot see this reader",
-                        vdir,
-                        e.strerror,
-                    )
+                _no_lease(vdir, e)
                 return
             import fcntl
 
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, json.dumps(info).encode())
-            os.rename(tmp, d / name)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.write(fd, json.dumps(info).encode())
+                os.rename(tmp, d / name)
+            except OSError as e:  # a full disk (found by a damage check: the reader crashed on it)
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                _no_lease(vdir, e)
+                return
             self._fd, self.path = fd, d / name
             _held.add(self)
             return

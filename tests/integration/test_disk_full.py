@@ -66,3 +66,32 @@ def test_read_only_store_is_one_clear_error(tmpfs, tmp_path):
     _remount(tmpfs, "ro")
     with pytest.raises(StoreError, match=r"cannot be written \(Read-only file system\)"):
         extract_local(tmp_path / "run", {**SMALL, "data.max_samples": 4, "store_path": str(tmpfs / "store")})
+
+
+def test_a_full_disk_under_a_finished_store_still_reads_and_verifies(small_store, tmpfs, capsys, caplog):
+    """Found by a damage check: on a full disk the reader and `verify` crashed writing their lease (OSError, a
+    leftover temp file), and `verify --repair` writing the lock's holder. They read without a lease (a warning, as
+    on a read-only store) and hold the lock without its holder text."""
+    import shutil
+
+    from dflash_pipeline.cli import main as cli
+    from dflash_pipeline.storage.reader import HiddenStateDataset
+
+    _remount(tmpfs, "size=8m")
+    root, version = tmpfs / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    with open(tmpfs / "filler", "wb") as f:  # every free block
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    with caplog.at_level(logging.WARNING):
+        ds = HiddenStateDataset(root, version, unvalidated="warn")
+        assert ds[0]["hidden"].abs().sum() > 0
+    assert "without a reader lease (No space left on device)" in caplog.text
+    assert not list((root / version).rglob("*.tmp"))  # no leftover temp lease file
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 0
+    assert cli(["verify", str(root), "--version", version, "--unvalidated", "--repair"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
