@@ -133,7 +133,16 @@ class Store:
         return self.loc.open_group(version, mode)
 
     def attrs(self, version: str) -> dict[str, Any]:
-        return dict(self.open_version(version).attrs)
+        try:
+            return dict(self.open_version(version).attrs)
+        except Exception as e:
+            if isinstance(e, StoreError) or not self.loc.exists(f"{version}/zarr.json"):
+                raise
+            raise StoreError(
+                f"store version {self.loc.url_of(version)}: its zarr.json (the version's attributes: provenance, "
+                f"layers, precision) is unreadable ({type(e).__name__}: {e}). No run can rebuild it: restore that "
+                "file from a copy of the store, or move the version aside and extract into a new one"
+            ) from e
 
     def check_readable(self) -> None:
         """Fail fast, naming the fix, when the store cannot be reached (object storage)."""
@@ -499,10 +508,11 @@ class Store:
         attrs = self.attrs(version)
         retention.restore_for_extraction(self, version)  # units whose data retention deleted: planned again
         for u in self.units(version):
-            if not self.unit_attrs(version, u).get("planned"):
-                log.warning("removing half-planned unit %s", u)
-                self.loc.rmtree(self._unit_rel(version, u))
-                self.loc.rmtree(self._plan_rel(version, u))
+            if not self._half_planned(version, u):
+                continue
+            log.warning("removing half-planned unit %s", u)
+            self.loc.rmtree(self._unit_rel(version, u))
+            self.loc.rmtree(self._plan_rel(version, u))
         row_of = {sid: i for i, sid in enumerate(sample_ids)}
         repaired = self._repair_units(version, attrs, row_of, lengths, fetch)
         assigned: set[str] = set()
@@ -555,6 +565,17 @@ class Store:
         return PlanResult(
             version, self.loc.url_of(version), new_units, pending, len(self.units(version)), len(todo), repaired
         )
+
+    def _half_planned(self, version: str, unit: str) -> bool:
+        """The planner was killed before it marked the unit planned (its last step): no commit record, and its
+        attributes readable without `planned`. An unreadable zarr.json, or `planned` altered in a unit with a
+        commit record, is damage instead: `_repair_units` rebuilds the unit from its plan record."""
+        if self.loc.exists(f"{self._unit_rel(version, unit)}/commit.json"):
+            return False
+        try:
+            return not self.unit_attrs(version, unit).get("planned")
+        except Exception:  # noqa: BLE001 - unreadable metadata: verification names it, the repair rebuilds it
+            return False
 
     def _repair_units(self, version, attrs, row_of, lengths, fetch) -> list[str]:
         """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes

@@ -241,6 +241,9 @@ def check_unit(
     except Exception as e:  # noqa: BLE001
         return [P("zarr.json", f"unit attributes unreadable: {type(e).__name__}: {e}")], 0, 0
     if not attrs.get("planned"):
+        if store.loc.exists(f"{unit_rel}/commit.json"):  # only a planned unit is ever committed: an edit
+            what = f"attribute planned is {short(attrs.get('planned'))} in a unit with a commit record (it was altered)"
+            return [P("zarr.json", what)], 0, 0
         return (
             [P("zarr.json", "half-planned (the planner was interrupted); the next extract plans it again", INCOMPLETE)],
             0,

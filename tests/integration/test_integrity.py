@@ -121,6 +121,20 @@ DAMAGES = {
         ["u00001"],
         False,
     ),
+    # a unit's metadata unreadable (a damage check: the rerun crashed in the half-planned check), or its `planned`
+    # altered in a committed unit (the rerun removed its plan record and planned its samples into a new unit)
+    "truncate_unit_metadata": (
+        lambda v: (v / U1 / "zarr.json").write_bytes((v / U1 / "zarr.json").read_bytes()[:100]),
+        f"{U1}/zarr.json",
+        ["u00001"],
+        False,
+    ),
+    "unit_planned_false": (
+        lambda v: _edit(v / U0, "planned", lambda _: False),
+        f"{U0}/zarr.json",
+        ["u00000"],
+        False,
+    ),
     "delete_commit": (lambda v: (v / U0 / "commit.json").unlink(), f"{U0}/commit.json", ["u00000"], False),
     "edit_version_dtype": (lambda v: _edit(v, "logical_dtype", lambda _: "bfloat16"), "logical_dtype", [], False),
     "edit_unit_dtype": (

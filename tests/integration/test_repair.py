@@ -233,6 +233,7 @@ def test_a_half_planned_unit_is_planned_again(small_store, original, tmp_path):
     doc = json.loads(meta.read_text())
     doc["attributes"]["planned"] = False
     meta.write_text(json.dumps(doc))
+    (meta.parent / "commit.json").unlink()  # a half-planned unit was never committed (with one: damage, rebuilt)
     runner = _run(tmp_path)
     assert runner.results["validate"].ok and Store(root).current() == version
     assert cli(["verify", str(root)]) == 0
@@ -303,3 +304,18 @@ def test_no_repair_deletes_a_unit_from_under_a_reader_in_another_process(small_s
     runner = _run(tmp_path)
     assert sum(r.forward_passes for r in runner.results["extract"]) == batches["u00000"] + batches["u00001"]
     assert_same_store(before, snapshot(Store(root), version))
+
+
+def test_an_unreadable_version_metadata_is_one_clear_error_everywhere(small_store, tmp_path, capsys):
+    """Found by a damage check: a truncated root zarr.json made the rerun crash with a bare JSONDecodeError. No run
+    can rebuild it (it holds the version's provenance): the rerun, the reader and verify each name the file."""
+    root, version = _copy(small_store, tmp_path)
+    meta = root / version / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:300])
+    with pytest.raises(StoreError, match=r"v0001: its zarr.json .* is unreadable .*restore that file"):
+        _run(tmp_path)
+    with pytest.raises(StoreError, match="zarr.json"):
+        HiddenStateDataset(root, version=version, unvalidated="warn")
+    capsys.readouterr()
+    assert cli(["verify", str(root), "--unvalidated"]) == 1
+    assert "zarr.json" in capsys.readouterr().out
