@@ -17,14 +17,44 @@ and `torch.from_numpy(a).view(torch.bfloat16)` restores it bit-exactly.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import torch
+
+from dflash_pipeline.storage.digest import ALGORITHM
 
 # 2: commit records list every committed file with its size and XXH3-128 digest; plan and version records
 # (docs/STORE.md, "Integrity").
 FORMAT_VERSION = 2
 # A unit's commit record before its first commit (commit.json absent).
 NOTHING_COMMITTED = {"committed_tokens": 0, "complete": False}
+
+
+def commit_record_problem(rec: Any) -> str | None:
+    """Why a parsed commit.json is not a record this package writes (None: it is one; JSON null counts as no
+    record). Edited types would otherwise crash every reader of it (found by a damage check)."""
+    if rec is None:
+        return None
+    if not isinstance(rec, dict):
+        return f"not a JSON object but {json.dumps(rec)[:60]}"
+    n = rec.get("committed_tokens", 0)
+    if type(n) is not int or n < 0:
+        return f"committed_tokens is {json.dumps(n)[:60]}, not a count of tokens"
+    if not isinstance(rec.get("complete", False), bool):
+        return f"complete is {json.dumps(rec.get('complete'))[:60]}, not true or false"
+    files = rec.get("files", {})
+    if not isinstance(files, dict):
+        return f"files is {json.dumps(files)[:60]}, not an object"
+    for f, e in files.items():
+        if e is not None and not (
+            isinstance(e, dict) and type(e.get("size")) is int and e["size"] >= 0 and isinstance(e.get(ALGORITHM), str)
+        ):
+            return f"files[{f!r}] is {json.dumps(e)[:60]}, not {{size, {ALGORITHM}}}"
+    return None
+
+
 # Arrays whose shards the extraction writes (their files are committed shard by shard); every other file of a
 # unit is written by the planner and committed with the unit's first commit record.
 SHARDED_ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale")

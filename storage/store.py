@@ -30,6 +30,7 @@ from dflash_pipeline.storage.layout import (
     VALIDATION,
     VERSION_RECORD,
     chunking,
+    commit_record_problem,
     compressors,
     sharded_arrays,
 )
@@ -341,7 +342,13 @@ class Store:
         record): a version a run keeps."""
         if version == current or retention.read_record(self, version):
             return True
-        return any(self.commit_record(version, u).get("committed_tokens", 0) > 0 for u in self.units(version))
+        return any(self._committed_or_damaged(version, u) for u in self.units(version))
+
+    def _committed_or_damaged(self, version: str, unit: str) -> bool:
+        try:
+            return self.commit_record(version, unit).get("committed_tokens", 0) > 0
+        except ValueError:  # a damaged record: the repair's to judge, never a reason to drop the version
+            return True
 
     def resumable(self, version: str) -> bool:
         """Whether a run can write into `version` again: only the newest version of its identity (a run resumes
@@ -485,7 +492,14 @@ class Store:
         return dict(self.open_unit(version, unit).attrs)
 
     def commit_record(self, version: str, unit: str) -> dict[str, Any]:
-        return self.loc.read_json(f"{self._unit_rel(version, unit)}/commit.json", dict(NOTHING_COMMITTED))
+        rel = f"{self._unit_rel(version, unit)}/commit.json"
+        rec = self.loc.read_json(rel, dict(NOTHING_COMMITTED))
+        if why := commit_record_problem(rec):
+            raise StoreError(
+                f"commit record {self.loc.url_of(rel)} is malformed ({why}): a rerun of extract rebuilds the unit "
+                "from its plan record (`dflash-pipeline verify` lists every problem)"
+            )
+        return dict(NOTHING_COMMITTED) if rec is None else rec
 
     def plan_units(
         self,

@@ -37,6 +37,7 @@ from dflash_pipeline.storage.layout import (
     READER_ATTRS,
     SHARDED_ARRAYS,
     VERSION_RECORD,
+    commit_record_problem,
     sharded_arrays,
 )
 from dflash_pipeline.storage.store import Store
@@ -265,7 +266,8 @@ def check_unit(
     except ValueError as e:
         rec, commit_problem = None, f"commit record unreadable: {e}"
     else:
-        commit_problem = None
+        commit_problem = (why := commit_record_problem(rec)) and f"commit record malformed: {why}"
+        rec = None if commit_problem else rec
     if plan_problem:
         want = ((rec or {}).get("files") or {}).get("zarr.json") if isinstance(rec, dict) else None
         got = (store.loc.digest_of(f"{unit_rel}/zarr.json") or {}).get(digest.ALGORITHM) if want else None

@@ -67,6 +67,10 @@ def _swap_first_two(samples):
     return [[b, sa, na], [a, sb, nb]] + list(samples[2:])
 
 
+def _edit_json(path: Path, fn) -> None:
+    path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+
+
 def _null_entry(unit_dir: Path, f: str, copy_from: Path | None) -> None:
     """The commit record's entry for `f` edited to null ("zarr wrote no file"), the file then replaced by another
     (a shard the record no longer vouches for) or deleted (its rows read back as zeros)."""
@@ -133,6 +137,19 @@ DAMAGES = {
         lambda v: _edit(v / U0, "planned", lambda _: False),
         f"{U0}/zarr.json",
         ["u00000"],
+        False,
+    ),
+    # a commit record's JSON types edited (a damage check: tracebacks in the reader, verify and the rerun)
+    "commit_tokens_as_string": (
+        lambda v: _edit_json(v / U0 / "commit.json", lambda r: {**r, "committed_tokens": str(r["committed_tokens"])}),
+        f"{U0}/commit.json",
+        ["u00000"],
+        False,
+    ),
+    "commit_files_as_list": (
+        lambda v: _edit_json(v / U1 / "commit.json", lambda r: {**r, "files": sorted(r["files"])}),
+        f"{U1}/commit.json",
+        ["u00001"],
         False,
     ),
     "delete_commit": (lambda v: (v / U0 / "commit.json").unlink(), f"{U0}/commit.json", ["u00000"], False),
