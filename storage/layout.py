@@ -117,6 +117,9 @@ def from_storage(a: np.ndarray, logical: str) -> torch.Tensor:
     return t
 
 
+COMPRESSIONS = ("zstd", "lz4", "none")  # extract.compression's values, recorded in each plan record
+
+
 def compressors(name: str, itemsize: int) -> list:
     from zarr.codecs import BloscCodec, Crc32cCodec
 

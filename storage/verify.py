@@ -32,6 +32,7 @@ from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import digest, discard, quant, retention
 from dflash_pipeline.storage.layout import (
     ARRAYS,
+    COMPRESSIONS,
     DTYPES,
     PLANS,
     READER_ATTRS,
@@ -255,7 +256,9 @@ def check_unit(
         plan_problem = plan_problem or "plan record missing"
     else:
         diffs = [k for k in PLANNED_KEYS if attrs.get(k) != plan.get(k)]
-        if diffs:
+        if plan.get("compression", "zstd") not in COMPRESSIONS:  # a rebuild would create the unit with it
+            plan_problem = f"compression {short(plan.get('compression'))} unknown (one of {', '.join(COMPRESSIONS)})"
+        elif diffs:
             k = diffs[0]
             plan_problem = (
                 f"attribute {k} differs from the plan record ({short(attrs.get(k))} != {short(plan.get(k))})"

@@ -164,6 +164,12 @@ DAMAGES = {
     # a damaged plan record of an intact unit (its zarr.json equals its commit digest): the record is rewritten
     "garble_plan_record": (lambda v: (v / "plans/u00000.json").write_text("{"), "plans/u00000.json", [], False),
     "swap_plan_samples": (lambda v: _edit_plan(v, "u00001", _swap_first_two), "plans/u00001.json", [], False),
+    "plan_compression_unknown": (  # never checked before: a rebuild from the record crashed on it
+        lambda v: _edit_json(v / "plans/u00000.json", lambda p: {**p, "compression": "ZSTD"}),
+        "plans/u00000.json",
+        [],
+        False,
+    ),
     "delete_plan_record": (lambda v: (v / "plans/u00000.json").unlink(), "plans/u00000.json", [], False),
     # a damaged version record: the rerun rebuilds it from the run's provenance (every attribute equals it)
     "delete_version_record": (lambda v: (v / "version.json").unlink(), "version.json", [], False),
