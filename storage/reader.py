@@ -29,7 +29,7 @@ import torch
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
-from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage
+from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage, sharded_arrays
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
 from dflash_pipeline.storage.verify import (
@@ -289,7 +289,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if unit not in self._arrays:
             self._check_files(unit)
             g = self.store.open_unit(self.version, unit)
-            arrays = {k: g[k] for k in ARRAYS if k in g}
+            expected = (*sharded_arrays(bool(self.attrs.get("capture_last")), self.precision), "input_ids", "loss_mask")
+            arrays = {k: g[k] for k in ARRAYS if k in expected and k in g}  # never an array no record covers
             self._raise_on(layout_problems(unit, arrays, self.attrs))
             self._arrays[unit] = arrays
         return self._arrays[unit]

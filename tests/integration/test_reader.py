@@ -239,3 +239,19 @@ def test_a_path_that_is_not_a_store_says_what_to_give(tmp_path):
         HiddenStateDataset(tmp_path / "run")
     with pytest.raises(StoreError, match=r"under .*/nope \(it does not exist\)"):
         HiddenStateDataset(tmp_path / "nope")
+
+
+def test_an_array_no_record_covers_is_never_read(tmp_path):
+    """Found by a damage check: in a version without `last_hidden`, a copy of a unit's `hidden` directory under
+    that name appeared in the unit's items, bytes no commit record covers. The reader opens only the version's
+    arrays."""
+    from tests.helpers import extract_local
+
+    ex = extract_local(tmp_path, {"data.max_samples": 6, "layers.capture_last": False}, validate=True)
+    root = Path(ex.cfg.store)
+    ds = HiddenStateDataset(root)
+    keys = set(ds[0])
+    unit = root / ex.plan.version / "units" / ds.samples[0].unit
+    shutil.copytree(unit / "hidden", unit / "last_hidden")
+    item = HiddenStateDataset(root)[0]
+    assert "last_hidden" not in keys and set(item) == keys
