@@ -218,7 +218,9 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
 
     for state in ("null", "[]"):  # found by a damage check: a report without its state vouched for any change
         report.write_text(passed.replace('"state": {', f'"state": {state}, "was": {{', 1))
-        with pytest.raises(StoreError, match=re.escape(f"validation.json has state {state}, not what validation wrote")):
+        with pytest.raises(
+            StoreError, match=re.escape(f"validation.json has state {state}, not what validation wrote")
+        ):
             HiddenStateDataset(root, version)
     bad = {**json.loads(passed), "ok": False, "checks": "none"}  # an edited failed report: named, no traceback
     report.write_text(json.dumps(bad))
