@@ -20,7 +20,8 @@ from pathlib import Path
 
 # Extraction counts as GPU-bound while it produces at most this share of the measured bandwidth. The measurement is
 # one sequential stream; the store's writers add compression, several files at once, fsyncs and commit records, and
-# a fresh disk's speed varies. A margin, not a measurement: the fresh-disk run of issue 29 calibrates it.
+# a fresh disk's speed varies. A margin: on a fresh H200 disk (2,538 MB/s measured) the 8B pipeline producing 1,782
+# MB/s of full precision (70%) waited 0.10 s for its writers in 28 s, (b)/(a) 0.968 (bench/RESULTS.md, session 21).
 HEADROOM = 0.8
 # The recommendation is the first of these that keeps extraction GPU-bound. int8 is listed but not preferred: its
 # group steps make it the closest compact precision (relative L2 ~0.007 against fp8's ~0.026,
