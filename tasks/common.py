@@ -10,10 +10,12 @@ import logging
 import re
 
 from prefect import get_run_logger
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.logging.handlers import APILogHandler
 
 from dflash_pipeline import PACKAGE_LOGGER
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.runguard import reported
 
 
 def forward_logic_logs() -> None:
@@ -22,9 +24,21 @@ def forward_logic_logs() -> None:
     PREFECT_LOGGING_EXTRA_LOGGERS would come too late)."""
     logger = logging.getLogger(PACKAGE_LOGGER)
     if not any(isinstance(h, APILogHandler) for h in logger.handlers):
-        logger.addHandler(APILogHandler())
+        handler = APILogHandler()
+        handler.addFilter(_in_a_run)
+        logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
+
+
+def _in_a_run(record: logging.LogRecord) -> bool:
+    """Only records of a flow or task run go to the API: the logic's records outside runs (a direct call, the CLI's
+    pre-flight) have no run to belong to, and Prefect's handler warned once per record about each of them."""
+    return (
+        getattr(record, "flow_run_id", None) is not None
+        or FlowRunContext.get() is not None
+        or TaskRunContext.get() is not None
+    )
 
 
 forward_logic_logs()
@@ -92,7 +106,8 @@ def retry_unless_user_error(task, task_run, state) -> bool:
     is being stopped (a signal, or its flow run is being cancelled)."""
     try:
         state.result(raise_on_failure=True)
-    except PipelineError:
+    except PipelineError as e:
+        reported(e)  # the run fails with it, and the CLI prints it once (regenerate and train have retries)
         return False
     except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
         return False
