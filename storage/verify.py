@@ -167,7 +167,10 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
         return [Problem("-", "-", VERSION_RECORD, what, RECORD)]
     problems = []
     for k, d in sorted(record.get("attrs", {}).items()):
-        if k not in attrs:
+        if k not in READER_ATTRS:  # the record never covers another attribute: it is the edited file
+            what = f"version record covers attribute {k}, which it never records (edited); {REBUILD_VERSION_RECORD}"
+            problems.append(Problem("-", "-", VERSION_RECORD, what, RECORD))
+        elif k not in attrs:
             problems.append(Problem("-", "-", "zarr.json", f"version attribute {k} is missing"))
         elif digest.of_attr(attrs[k]) != d:
             problems.append(

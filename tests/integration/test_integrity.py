@@ -174,6 +174,12 @@ DAMAGES = {
     # a damaged version record: the rerun rebuilds it from the run's provenance (every attribute equals it)
     "delete_version_record": (lambda v: (v / "version.json").unlink(), "version.json", [], False),
     "garble_version_record": (lambda v: (v / "version.json").write_text("[1"), "version.json", [], False),
+    "version_record_extra_attr": (  # named zarr.json before (a damage check): the record is the edited file
+        lambda v: _edit_json(v / "version.json", lambda r: {**r, "attrs": {**r["attrs"], "run_config": "0" * 32}}),
+        "version.json",
+        [],
+        False,
+    ),
     "edit_layer_ids": (lambda v: _edit(v, "layer_ids", lambda ids: ids[:-1] + [ids[-1] + 1]), "layer_ids", [], False),
 }
 
