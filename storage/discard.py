@@ -7,13 +7,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage.leases import leases_line, live_leases
+from dflash_pipeline.storage.leases import held_here, leases_line, live_leases
 from dflash_pipeline.storage.location import LocalLocation
 
 if TYPE_CHECKING:
@@ -52,8 +51,8 @@ def refuse_while_read(store: Store, version: str, units: list[str], then: str) -
     from under it (a reader checks a unit's files when it first opens the unit, and zarr reads a file deleted
     since then as fill values). This process's own readers are the caller's to manage. `then`: what to run once
     the readers are gone."""
-    host, pid = socket.gethostname(), os.getpid()
-    others = [x for x in live_leases(store, version) if not (x.get("host") == host and x.get("pid") == pid)]
+    own = held_here()  # (a training this process started counts: it may still read what would go)
+    others = [x for x in live_leases(store, version, ignore_own_training=False) if x.get("file") not in own]
     if others:
         raise StoreError(
             f"unit(s) {', '.join(units)} of {store.loc.url_of(version)} must be deleted and rebuilt, but "

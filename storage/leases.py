@@ -177,6 +177,7 @@ def live_leases(store: Store, version: str, ignore_own_training: bool = True) ->
                 except ValueError:
                     info = {}
                 info.setdefault("by", f"unknown reader ({f.name})")
+                info["file"] = f.name
                 own = (
                     info.get("purpose") == "training"
                     and info.get("host") == socket.gethostname()
@@ -190,6 +191,11 @@ def live_leases(store: Store, version: str, ignore_own_training: bool = True) ->
         finally:
             os.close(fd)
     return live
+
+
+def held_here() -> set[str]:
+    """The names of the lease files this process holds."""
+    return {lease.path.name for lease in list(_held) if lease.path is not None and lease._pid == os.getpid()}
 
 
 def leases_line(leases: list[dict[str, Any]]) -> str:

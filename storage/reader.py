@@ -143,6 +143,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise
 
     def _open(self, partial: bool, dequantize: bool, retired: str, unvalidated: str) -> None:
+        self.store.attrs(self.version)  # unreadable: its own StoreError (no repair restores it)
         self._raise_on(check_version_attrs(self.store, self.version))
         if why := validation_status(self.store, self.version):
             msg = f"store version {self.store.loc.url_of(self.version)} is not validated: {why}"

@@ -22,6 +22,7 @@ import numpy as np
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, discard, quant, retention
 from dflash_pipeline.storage.layout import (
+    COMPRESSIONS,
     DTYPES,
     FORMAT_VERSION,
     NOTHING_COMMITTED,
@@ -137,7 +138,8 @@ class Store:
         try:
             return dict(self.open_version(version).attrs)
         except Exception as e:
-            if isinstance(e, StoreError) or not self.loc.exists(f"{version}/zarr.json"):
+            # (an OSError is the disk's or the network's, possibly transient: never "unreadable for good")
+            if isinstance(e, StoreError | OSError) or not self.loc.exists(f"{version}/zarr.json"):
                 raise
             raise StoreError(
                 f"store version {self.loc.url_of(version)}: its zarr.json (the version's attributes: provenance, "
@@ -402,7 +404,12 @@ class Store:
         g.create_group("units")
         self._write_version_record(name)
         for u in self.units(source):
-            if u in gone or not self.commit_record(source, u).get("complete"):
+            try:
+                complete = self.commit_record(source, u).get("complete")
+            except StoreError as e:  # not shared: its samples are planned again in the snapshot
+                log.warning("snapshot of %s: unit %s not shared (%s)", source, u, e)
+                continue
+            if u in gone or not complete:
                 continue
             plan = self.loc.read_bytes(self._plan_rel(source, u))
             if plan is not None:
@@ -528,7 +535,7 @@ class Store:
             self.loc.rmtree(self._unit_rel(version, u))
             self.loc.rmtree(self._plan_rel(version, u))
         row_of = {sid: i for i, sid in enumerate(sample_ids)}
-        repaired = self._repair_units(version, attrs, row_of, lengths, fetch)
+        repaired = self._repair_units(version, attrs, row_of, lengths, fetch, compression)
         assigned: set[str] = set()
         for u in self.units(version):
             assigned.update(s[0] for s in self.unit_attrs(version, u)["samples"])
@@ -588,10 +595,10 @@ class Store:
             return False
         try:
             return not self.unit_attrs(version, unit).get("planned")
-        except Exception:  # noqa: BLE001 - unreadable metadata: verification names it, the repair rebuilds it
-            return False
+        except Exception:  # noqa: BLE001 - unreadable metadata: the repair rebuilds it from its plan record, if any
+            return not self.loc.exists(self._plan_rel(version, unit))
 
-    def _repair_units(self, version, attrs, row_of, lengths, fetch) -> list[str]:
+    def _repair_units(self, version, attrs, row_of, lengths, fetch, compression) -> list[str]:
         """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
         that differ from the plan record, a unit directory missing) are discarded and created again from their
         plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
@@ -650,10 +657,12 @@ class Store:
                     len(plan["samples"]),
                 )
             order = [row_of[sid] for sid, _, _ in plan["samples"]]
+            if (packing := plan.get("compression", "zstd")) not in COMPRESSIONS:  # an edited record: the run's
+                packing = compression
             self._create_unit(
                 version,
                 u,
-                {**plan, "compression": plan.get("compression", "zstd")},
+                {**plan, "compression": packing},
                 order,
                 fetch,
                 len(attrs["layer_ids"]),

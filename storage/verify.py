@@ -152,7 +152,8 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     try:
         attrs = store.attrs(version)
     except Exception as e:  # noqa: BLE001 - a damaged zarr.json is a finding, not a crash
-        return [Problem("-", "-", "zarr.json", f"version attributes unreadable: {type(e).__name__}: {e}")]
+        what = str(e) if isinstance(e, StoreError) else f"version attributes unreadable: {type(e).__name__}: {e}"
+        return [Problem("-", "-", "zarr.json", what)]
     if record is not None and not isinstance(record.get("attrs") if isinstance(record, dict) else None, dict):
         what = f"version record unreadable: no attrs digests in {short(record)}; {REBUILD_VERSION_RECORD}"
         return [Problem("-", "-", VERSION_RECORD, what, RECORD)]
@@ -197,8 +198,8 @@ def short(v: Any) -> str:
 
 def null_entry_problem(f: str, present: bool) -> str | None:
     """What is wrong with a commit record's `null` entry for file `f` of a unit (zarr wrote no file: every value is
-    the fill value), `present`: whether the file exists. Valid only for the ids and mask chunks, with no file: a
-    shard of stored states is never all fill values (hidden states are never all zero)."""
+    the fill value), `present`: whether the file exists. This package's writers write every file; a shard of
+    stored states is never all fill values (hidden states are never all zero), so such an entry there is damage."""
     if f.split("/", 1)[0] in SHARDED_ARRAYS and "/c/" in f:
         return "recorded as no file (all fill values), but stored states are never all zero: the record was altered"
     if present:
@@ -260,7 +261,10 @@ def check_unit(
     else:
         diffs = [k for k in PLANNED_KEYS if attrs.get(k) != plan.get(k)]
         if plan.get("compression", "zstd") not in COMPRESSIONS:  # a rebuild would create the unit with it
-            plan_problem = f"compression {short(plan.get('compression'))} unknown (one of {', '.join(COMPRESSIONS)})"
+            plan_problem = (
+                f"the plan record's compression {short(plan.get('compression'))} is unknown (one of "
+                f"{', '.join(COMPRESSIONS)})"
+            )
         elif diffs:
             k = diffs[0]
             plan_problem = (

@@ -314,8 +314,24 @@ def test_an_unreadable_version_metadata_is_one_clear_error_everywhere(small_stor
     meta.write_bytes(meta.read_bytes()[:300])
     with pytest.raises(StoreError, match=r"v0001: its zarr.json .* is unreadable .*restore that file"):
         _run(tmp_path)
-    with pytest.raises(StoreError, match="zarr.json"):
+    with pytest.raises(StoreError, match=r"zarr.json .* is unreadable .*restore that file") as e:
         HiddenStateDataset(root, version=version, unvalidated="warn")
+    assert "verify" not in str(e.value)  # no repair restores it: the reader says nothing else
     capsys.readouterr()
     assert cli(["verify", str(root), "--unvalidated"]) == 1
     assert "zarr.json" in capsys.readouterr().out
+
+
+def test_an_unfinished_unit_with_an_edited_plan_compression_is_rebuilt_under_its_name(small_store, original, tmp_path):
+    """Found by a review: an unknown compression in the plan record of a unit without commit record crashed the rerun
+    (ValueError from the codec) after deleting the unit, and the next rerun planned its samples into a new unit."""
+    before, _ = original
+    root, version = _copy(small_store, tmp_path)
+    (root / version / U1 / "commit.json").unlink()
+    plan = root / version / "plans/u00001.json"
+    plan.write_text(json.dumps({**json.loads(plan.read_text()), "compression": "ZSTD"}))
+    runner = _run(tmp_path)
+    assert runner.results["plan"].repaired_units == ["u00001"] and runner.results["validate"].ok
+    assert json.loads(plan.read_text())["compression"] == "zstd"  # the run's
+    assert sorted(Store(root).units(version)) == ["u00000", "u00001"]
+    assert_same_store(before, snapshot(Store(root), version))

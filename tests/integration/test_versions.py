@@ -38,6 +38,23 @@ def test_incremental_run_snapshots_the_published_version(tmp_path, model_dir):
     assert again.plan.version == "v0002" and again.plan.new_samples == 5
 
 
+def test_a_snapshot_does_not_share_a_unit_whose_commit_record_is_malformed(tmp_path, model_dir):
+    """Found by a review: a commit record with an edited type in the published version stopped the nightly run's
+    snapshot halfway (a version without units, then every sample extracted again). The snapshot shares every other
+    unit and plans that unit's samples again."""
+    extract_local(tmp_path, {**BASE, "data.max_samples": 30}, validate=True)
+    store = Store(tmp_path / "store")
+    units = store.units("v0001")
+    assert len(units) > 1
+    rec = tmp_path / "store/v0001/units" / units[0] / "commit.json"
+    rec.write_text(json.dumps({**json.loads(rec.read_text()), "committed_tokens": "1500"}))
+    second = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
+    assert second.plan.version == "v0002"
+    redone = store.unit_attrs("v0001", units[0])["n_tokens"]
+    assert second.result.tokens == sum(u.n_tokens for u in second.plan.new_units)  # the new samples and that unit's
+    assert second.result.tokens > redone and len(HiddenStateDataset(store.url, "v0002", unvalidated="warn")) == 40
+
+
 def test_prune_keeps_newest_and_current(tmp_path, model_dir):
     store = Store(tmp_path / "store")
     for n in (10, 12, 14, 16):
