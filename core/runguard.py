@@ -131,12 +131,21 @@ class _NoUserErrorTraceback(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, PipelineError) or type(exc).__name__ == "WorkerCrashed":  # both say what happened
             record.exc_info, record.exc_text = None, None
-            text = str(exc)
-            _reported.update(t[:80] for t in (text, repr(text)[1:-1]) if len(t) >= 8)
+            reported(exc)
         return "Encountered exception during execution" not in record.getMessage() or exc is None
 
 
 _reported: set[str] = set()  # the start of each error the CLI prints itself (seen by _NoUserErrorTraceback)
+
+
+def reported(exc: BaseException) -> None:
+    """`exc` ends the run and the CLI prints it: the console leaves out Prefect's lines that repeat it. Also called
+    by a task's retry condition that refuses to retry a user error: Prefect then logs no record with the exception
+    before the task's 'Finished in state Failed(...)' (tasks/common.py)."""
+    text = str(exc)
+    _reported.update(t[:80] for t in (text, repr(text)[1:-1]) if len(t) >= 8)
+
+
 # Prefect's lines of a stop: the flow's crash, and the extraction task's failure with the WorkerStopped the stop
 # raised (its "Finished in state Failed(...)" comes without the exception record _NoUserErrorTraceback would see)
 _STOP_CRASHES = (
