@@ -277,11 +277,34 @@ def did_you_mean(dotted: str) -> str:
     return f" did you mean {close[0]}?" if close else ""
 
 
+# The settings that name a file or directory, and what to give instead of an empty value (an empty path is the
+# current directory to every function that opens it: `--set output_dir=` ran the whole pipeline into it).
+PATH_SETTINGS = {
+    "output_dir": "a directory (e.g. --set output_dir=runs/mine)",
+    "store_path": "a directory or an s3:// URL, or null for <output_dir>/store",
+    "data.source": "a data file or directory, a hub dataset name, or 'embedded'",
+    "target.model_path": "a local checkpoint directory, or 'embedded'",
+    "target.tokenizer_path": "a tokenizer directory, or null for the model's",
+    "train.output_dir": "a directory, or null for <output_dir>/drafter",
+    "evaluate.prompts": "a JSONL file of prompt rows, or 'embedded'",
+}
+
+
+def _no_empty_paths(cfg: RunConfig) -> RunConfig:
+    for dotted, give in PATH_SETTINGS.items():
+        value: Any = cfg
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{dotted} is empty ({value!r}): give {give}")
+    return cfg
+
+
 def validate_tree(tree: dict[str, Any], where: dict[str, str] | None = None, default_origin: str = "") -> RunConfig:
     """Validate a config tree; every problem on one line. `where` maps dotted override keys to where they came
     from ('--set', 'overrides'); other keys come from `default_origin` ('in <config file>')."""
     try:
-        return RunConfig.model_validate(tree)
+        return _no_empty_paths(RunConfig.model_validate(tree))
     except ValidationError as e:
         problems: dict[str, list[str]] = {}
         shown_value: dict[str, str] = {}

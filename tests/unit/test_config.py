@@ -93,3 +93,26 @@ def test_several_errors_of_one_field_are_one_line():
         "invalid configuration: extract.token_budget: Input should be greater than or equal to 16 or "
         "Input should be 'auto' (got -3)"
     )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "output_dir",
+        "store_path",
+        "data.source",
+        "target.model_path",
+        "target.tokenizer_path",
+        "train.output_dir",
+        "evaluate.prompts",
+    ],
+)
+def test_an_empty_path_setting_is_an_error_not_the_current_directory(key, tmp_path):
+    # `--set output_dir=` ran the whole pipeline into the current directory (the source tree), exit 0
+    with pytest.raises(ConfigError, match=rf"^{key} is empty \(''\): give "):
+        load_config(None, [f"{key}="])
+    for value in ("", "  "):  # the same from a config file (and a deployment's overrides: load_config too)
+        f = tmp_path / "c.yaml"
+        f.write_text(f"{key}: '{value}'\n" if "." not in key else "{}: {{{}: '{}'}}\n".format(*key.split("."), value))
+        with pytest.raises(ConfigError, match=rf"^{key} is empty \('{value}'\)"):
+            load_config(f)
