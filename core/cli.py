@@ -191,8 +191,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_build_default(args: argparse.Namespace) -> int:
     from dflash_pipeline.embedded.build import ensure_built
+    from dflash_pipeline.errors import PipelineError
 
-    print(ensure_built())
+    try:
+        print(ensure_built())
+    except PipelineError as e:  # a DFLASH_HOME that cannot be written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -216,7 +221,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.storage.leases import ReaderLease
-    from dflash_pipeline.storage.reader import published_version
     from dflash_pipeline.storage.store import Store
     from dflash_pipeline.storage.validated import validation_status
     from dflash_pipeline.storage.verify import verify_version
@@ -225,9 +229,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         store = Store(args.store, json.loads(args.store_options) if args.store_options else None)
         store.check_readable()
+        _not_a_version_dir(args.store, store)
         if args.repair:
             held.enter_context(store.lock(brief="verify --repair"))
-        version = args.version or published_version(store, "warn" if args.unvalidated else "refuse")
+        version = args.version or _published(args, store)
         if version not in store.versions():
             raise PipelineError(f"no store version {version} under {store.url} (versions: {store.versions()})")
         lease = ReaderLease(store, version)  # retention and pruning leave the version alone while it is checked
@@ -242,6 +247,50 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     with held:
         return _verified(args, store, version, report, unvalidated)
+
+
+def _not_a_version_dir(given: str, store) -> None:
+    """`verify runs/embedded/store/v0001`: a version's directory given as the store (it holds no versions)."""
+    from dflash_pipeline.errors import StoreError
+
+    parent, _, name = given.rstrip("/").rpartition("/")
+    if name.startswith("v") and store.loc.exists("zarr.json") and not store.versions():
+        raise StoreError(f"{given} is a store version, not a store: did you mean {parent or '.'} --version {name}?")
+
+
+def _published(args: argparse.Namespace, store) -> str:
+    """CURRENT; with none, while a run holds the store's lock, an error saying that the run is writing it."""
+    from dflash_pipeline.errors import StoreError
+    from dflash_pipeline.storage.reader import published_version
+
+    try:
+        return published_version(store, "warn" if args.unvalidated else "refuse")
+    except StoreError:
+        writer = None if args.repair else _store_writer(store)  # --repair holds the lock itself
+        if writer is None:
+            raise
+        raise StoreError(
+            f"store {store.url} has no published version yet: a run ({writer}) is writing it; verify it once that "
+            "run has validated and published a version (CURRENT), or name one: --version V --unvalidated"
+        ) from None
+
+
+def _store_writer(store) -> str | None:
+    """What the run that holds the store's lock recorded ('pid N on HOST since T'), found as `verify --repair` finds
+    it: by taking the lock for an instant (as a brief holder, which a run starting then waits for). None when no
+    one holds it, or when it cannot be taken here (a store this user cannot write)."""
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.storage.store import StoreBusy
+
+    if not store.loc.exists(".lock"):  # no run ever took it (nor is a path that is no store given a lock file)
+        return None
+    try:
+        with store.lock(brief="verify"):
+            return None
+    except StoreBusy as e:
+        return e.holder
+    except PipelineError:  # a store this user cannot write
+        return None
 
 
 def _verified(args: argparse.Namespace, store, version: str, report, unvalidated: str | None) -> int:
@@ -328,7 +377,10 @@ def _console_logging(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (tests/unit/test_readme.py parses the README's commands with it)."""
+    from dflash_pipeline import __version__
+
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run the pipeline (probe, regenerate, prepare, plan, extract, validate, train, evaluate)"

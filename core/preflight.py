@@ -1,18 +1,23 @@
 """Checks that need no model forward, made by the CLI before Prefect and its temporary server start (which takes
-10-40 s on a loaded machine): a wrong model path, a model directory without tokenizer files or chat template, a
-bad layer id, an unwritable output directory, a missing or unreadable data file and rows that are no
-conversations are reported at once, before any dataset preparation. The data is read with the run's own code
-(dataprep/sources.py, dataprep/normalize.py), its first rows only. The stages check the same things again,
-completely, in the flow (deployments do not go through the CLI)."""
+10-40 s on a loaded machine): a wrong model path, a model directory without tokenizer files, chat template or
+weights files, a bad layer id, an unwritable output directory (or $DFLASH_HOME, where the embedded target is built),
+a missing or unreadable data file and rows that are no conversations, and evaluation prompts that are missing or
+lack an evaluate.slice_by field are reported at once, before any dataset preparation. The data is read with the
+run's own code (dataprep/sources.py, dataprep/normalize.py), its first rows only; the prompts with the evaluate
+stage's (drafter/prompts.py). The stages check the same things again, completely, in the flow (deployments do not
+go through the CLI)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.errors import ConfigError, DataError, StoreError
+
+log = logging.getLogger(__name__)
 
 
 def _writable_dir(path: str, field: str) -> None:
@@ -42,8 +47,9 @@ def preflight(cfg: RunConfig, what_if: bool = False) -> None:
     """Raise the first problem found, naming the field, the value and the fix. `what_if` (`plan`): not what a
     run would refuse only for the store it would write to (store_precision_refusal: the plan notes it)."""
     from dflash_pipeline.embedded import EMBEDDED, SHIPPED_TARGET
+    from dflash_pipeline.embedded.build import check_home
     from dflash_pipeline.extraction.layers import select_layer_ids
-    from dflash_pipeline.extraction.modelfiles import read_model_config
+    from dflash_pipeline.extraction.modelfiles import read_model_config, weight_files
     from dflash_pipeline.extraction.tokenizer import check_tokenizer_dir
 
     if not cfg.stages:
@@ -69,9 +75,20 @@ def preflight(cfg: RunConfig, what_if: bool = False) -> None:
         check_tokenizer_dir(tok, "target.tokenizer_path", cfg.target.trust_remote_code)
     elif not tok and cfg.target.model_path != "embedded":
         check_tokenizer_dir(_local(cfg.target.model_path), "target.model_path", cfg.target.trust_remote_code)
+    if not embedded:
+        weight_files(_local(cfg.target.model_path))  # names target.model_path
+    if EMBEDDED in (cfg.target.model_path, cfg.target.tokenizer_path):
+        check_home()  # built there on first use, by the probe
     _check_data(cfg)
+    _check_prompts(cfg)
     if not what_if and (refusal := store_precision_refusal(cfg)):
         raise ConfigError(refusal)
+    if not what_if and not embedded and "evaluate" in cfg.stages and cfg.evaluate.prompts == EMBEDDED:
+        log.warning(
+            "evaluate.prompts is 'embedded': the drafter will be scored on the bundled toy prompts, not on prompts "
+            "like your data; set evaluate.prompts to a JSONL of held-out prompts (one chat a line, ending with a "
+            "user turn), e.g. --set evaluate.prompts=/data/heldout.jsonl"
+        )
 
 
 def store_precision_refusal(cfg: RunConfig) -> str | None:
@@ -106,6 +123,15 @@ def prefect_home() -> None:
             f"Prefect's home {path} (its database for the run's temporary server) cannot be written "
             f"({e.strerror or e}): set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a running server"
         ) from None
+
+
+def _check_prompts(cfg: RunConfig) -> None:
+    """The evaluate stage's prompt file exists, is readable, holds prompt rows and every evaluate.slice_by field,
+    read with that stage's own code (drafter/prompts.py: the whole file, which is small)."""
+    if "evaluate" in cfg.stages:
+        from dflash_pipeline.drafter.prompts import load_prompts
+
+        load_prompts(cfg.evaluate)
 
 
 PEEK_ROWS = 100  # rows of the data source read before the run: one usable conversation among them is enough

@@ -53,8 +53,8 @@ from dflash_pipeline.drafter.eval_cache import (
     write_baseline,
 )
 from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.prompts import check_slice_fields, load_prompts
 from dflash_pipeline.drafter.target_head import head_from_model
-from dflash_pipeline.errors import ConfigError, DataError
 from dflash_pipeline.extraction.capture import LayerCapture
 
 log = logging.getLogger(__name__)
@@ -82,21 +82,6 @@ def aggregate(steps_per_prompt: list[list[int]], block_size: int) -> dict[str, A
 def slice_value(v: Any) -> str:
     """A slice's name: a string as it is, any other JSON value as JSON (true, 3, null)."""
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-
-
-def check_slice_fields(rows: list[dict], fields: list[str], where: str) -> None:
-    """Every row used has every `evaluate.slice_by` field, else a ConfigError naming the field, the first row
-    without it and the fields the rows have."""
-    for f in fields:
-        missing = [i for i, r in enumerate(rows) if f not in r]
-        if missing:
-            i = missing[0]
-            have = sorted({k for r in rows for k in r})
-            raise ConfigError(
-                f"evaluate.slice_by names {f!r}, but {len(missing)} of the {len(rows)} prompt rows of {where} lack "
-                f"it (first: row {i + 1}, id {rows[i].get('id')!r}); the rows' fields are {have}: name one of "
-                f"those in evaluate.slice_by, or add {f!r} to every row"
-            )
 
 
 def slices(
@@ -263,33 +248,6 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_ids
         logits = target(input_ids=torch.tensor([prompt_ids + gen], device=dev), use_cache=False).logits
         gen.append(int(logits[0, -1].argmax()))
     return gen
-
-
-def load_prompts(cfg: EvalConfig) -> list[dict]:
-    """The prompt rows evaluated (the first evaluate.num_prompts), each with 'messages' ending with a user turn
-    and every evaluate.slice_by field."""
-    path = cfg.prompts
-    if path == "embedded":
-        from dflash_pipeline.embedded import heldout_prompts
-
-        path = str(heldout_prompts())
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f"evaluate.prompts={cfg.prompts!r}: no such file; give a JSONL of prompt rows or 'embedded'")
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p} line {n} is not JSON ({e}): evaluate.prompts needs one JSON object a line") from e
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise DataError(f"{p} line {n}: a prompt row is an object with 'messages' (a list of chat turns)")
-        rows.append(row)
-    rows = rows[: cfg.num_prompts] if cfg.num_prompts else rows
-    check_slice_fields(rows, cfg.slice_by, str(p))
-    return rows
 
 
 def _steps(

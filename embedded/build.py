@@ -21,11 +21,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_pipeline.embedded import SHIPPED_TARGET
+from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.storage.commit import taking_turns
+
+if TYPE_CHECKING:  # torch is imported where a model is trained: the CLI's pre-flight imports this module (check_home)
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,31 @@ def default_dir() -> Path:
     return dflash_home() / "embedded" / BUILD_VERSION
 
 
+def check_home(root: Path | None = None) -> None:
+    """Unless the embedded target is built already: where it is built ($DFLASH_HOME) can be created and written,
+    else one ConfigError naming DFLASH_HOME (a read-only one was a 62-line traceback from the probe)."""
+    root = root or default_dir()
+    if (root / "BUILD_OK").exists():
+        return
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root.parent, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        home = os.environ.get("DFLASH_HOME")
+        raise ConfigError(
+            f"the embedded target cannot be built under {root.parent} ({e.strerror or e}): set DFLASH_HOME (now "
+            f"{home if home else 'unset: ~/.cache/dflash-pipeline'}) to a writable directory, the cache where it is "
+            "built once"
+        ) from None
+
+
 def ensure_built(root: Path | None = None) -> Path:
     """Return the directory of the embedded target (tokenizer files + model), building it once."""
     root = root or default_dir()
     if (root / "BUILD_OK").exists():
         return root
+    check_home(root)
     # Runs started at once on a fresh machine take turns: one builds, the others wait and find it built.
     with taking_turns(root.parent / f".{root.name}.lock", f"another process is building {root}; waiting for it"):
         if (root / "BUILD_OK").exists():
@@ -142,6 +165,8 @@ def build_tokenizer(out: Path, texts: list[str] | None = None, vocab_size: int =
 
 
 def _training_ids(tokenizer) -> torch.Tensor:
+    import torch
+
     ids: list[int] = []
     for line in CONVERSATIONS_MESSAGES.read_text().splitlines():
         msgs = json.loads(line)["messages"]
@@ -156,6 +181,7 @@ def tokenizer_sha(tokenizer) -> str:
 
 
 def build_model(out: Path, tokenizer, steps: int = TRAIN_STEPS) -> None:
+    import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(

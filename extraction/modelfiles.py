@@ -61,7 +61,10 @@ def weight_files(model_path: str) -> list[Path]:
         bins = sorted(Path(model_path).glob("pytorch_model*.bin"))
         if bins:
             return bins
-        raise CompatError(f"{model_path} has no *.safetensors (or pytorch_model*.bin) weights files")
+        raise CompatError(
+            f"target.model_path {model_path} has no weights files (*.safetensors or pytorch_model*.bin): give the "
+            "checkpoint directory that holds them (a download that stopped early? fetch the weights again)"
+        )
     return files
 
 

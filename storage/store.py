@@ -109,6 +109,14 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+class StoreBusy(StoreError):
+    """Another run holds the store's lock; `holder`: what it recorded ('pid N on HOST since T[, brief ...]')."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
+
+
 class Store:
     """Store versions plus a CURRENT pointer, in a local directory or under an s3:// prefix.
 
@@ -451,9 +459,10 @@ class Store:
                 break
             except _Busy as e:
                 if BRIEF not in e.holder or time.monotonic() >= deadline:
-                    raise StoreError(
+                    raise StoreBusy(
                         f"store {self.url} is in use by another run ({e.holder}); wait for it to finish or use "
-                        "another store_path"
+                        "another store_path",
+                        e.holder,
                     ) from None
                 if not waited:
                     log.info("store %s: waiting for %s", self.url, e.holder)

@@ -130,6 +130,24 @@ CASES = {
         "Set layers.num_draft_layers=3, or name the layers: layers.preset=explicit layers.ids=[0,1,2,4,5]",
     ),
     "key typo": (lambda t, m: ["data.max_sample=3"], "data.max_sample: unknown key", "did you mean data.max_samples?"),
+    # an empty path was the current directory: the whole run went into it (here: the source tree), exit 0
+    "empty output_dir": (lambda t, m: ["output_dir="], "output_dir is empty (''): give a directory"),
+    # the weights were missed until the probe, after Prefect's start, without naming the setting
+    "model without weights": (
+        lambda t, m: [f"target.model_path={_model_without_weights(t / 'm', m)}"],
+        "target.model_path",
+        "has no weights files (*.safetensors or pytorch_model*.bin)",
+    ),
+    # the evaluate stage's prompts were read after extraction and training (56 s into the embedded run)
+    "missing prompts file": (
+        lambda t, m: ["evaluate.prompts=~/no-such-prompts.jsonl"],
+        "evaluate.prompts='~/no-such-prompts.jsonl': no such file",
+    ),
+    "a slice field the prompts lack": (
+        lambda t, m: ["evaluate.slice_by=[source]"],
+        "evaluate.slice_by names 'source'",
+        "the rows' fields are ['domain', 'id', 'messages']",
+    ),
 }
 
 
@@ -168,6 +186,45 @@ def test_unwritable_output_dir_as_any_user(tmp_path):
     res, seconds = _run(tmp_path, f"output_dir={blocker}/run")
     assert res.returncode == 2 and seconds < 10 and "output_dir" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_an_unwritable_dflash_home_is_one_line_before_prefect_starts(tmp_path):
+    """The embedded target is built under $DFLASH_HOME on first use: one that cannot be written was a 62-line
+    traceback from the probe, after Prefect's start. (A path under a file: read-only for root too.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res, seconds = _run(tmp_path, f"output_dir={tmp_path}/out", env={"DFLASH_HOME": f"{blocker}/home"})
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and seconds < 10, res.stderr[-2000:]
+    assert lines[0].startswith("error: the embedded target cannot be built under ") and "DFLASH_HOME" in lines[0]
+
+
+def test_ones_own_target_scored_on_the_embedded_prompts_is_a_warning(model_dir, tmp_path):
+    """With one's own target the default evaluate.prompts (the bundled toy prompts) said nothing. The run stops right
+    after the pre-flight here: at the check of an unreachable PREFECT_API_URL."""
+    api = {"PREFECT_API_URL": f"http://127.0.0.1:{closed_port()}/api"}
+    prompts = _write(tmp_path / "p.jsonl", json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}))
+    warned = []
+    for sets in ([f"target.model_path={model_dir}"], [f"target.model_path={model_dir}", f"evaluate.prompts={prompts}"]):
+        res, _ = _run(tmp_path, f"output_dir={tmp_path}/out", *sets, env=api)
+        assert res.returncode == 2 and "is unreachable" in res.stderr.splitlines()[-1], res.stderr[-2000:]
+        warned.append([line for line in res.stderr.splitlines() if line.startswith("warning: ")])
+    assert len(warned[0]) == 1 and "evaluate.prompts is 'embedded'" in warned[0][0], warned
+    assert "--set evaluate.prompts=" in warned[0][0] and warned[1] == []
+
+
+def test_an_error_of_a_task_with_retries_is_one_message(model_dir, prefect_harness, tmp_path):
+    """The regenerate stage (retries=2; train too) refuses to retry a user error: Prefect then logs the task's
+    'Finished in state Failed(...)' without the exception record, and the console showed it as a first
+    `error: Finished in state Failed("Task run encountered an exception RegenerateError: ...")`."""
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    sets = [f"output_dir={tmp_path}/out", "extract.devices=cpu", "data.max_samples=4", "regenerate.enabled=true"]
+    sets += ["regenerate.backend=openai", f"regenerate.base_url={url}", "regenerate.server_wait_s=0"]
+    res, _ = _run(tmp_path, *sets, env={"PREFECT_API_URL": prefect_harness})
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith(f"error: cannot reach the OpenAI-compatible server at {url}"), errors
+    assert "Finished in state Failed" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_an_error_in_the_flow_is_one_message_and_debug_shows_the_traceback(model_dir, prefect_harness, tmp_path):
