@@ -375,10 +375,17 @@ def said_regenerate(r) -> str:
     )
 
 
+def _by_reason(counts: dict[str, int]) -> str:
+    """' (exact duplicate 64, over max_length 3)': the reasons of the manifest, most frequent first."""
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    return f" ({', '.join(f'{why} {n:,}' for why, n in ordered)})" if ordered else ""
+
+
 def said_prepare(r) -> str:
     dropped = sum(r.dropped.values())
-    extra = f", {dropped:,} dropped" if dropped else ""
-    extra += f", {r.quarantined:,} quarantined" if r.quarantined else ""
+    extra = f", {dropped:,} dropped{_by_reason(r.dropped)}" if dropped else ""
+    quarantined = getattr(r, "quarantined_by_reason", None) or {}
+    extra += f", {r.quarantined:,} quarantined{_by_reason(quarantined)}" if r.quarantined else ""
     return f"{r.n_samples:,} samples, {r.n_tokens:,} tokens of {r.n_rows:,} rows{extra}" + (
         " (reused)" if r.reused else ""
     )

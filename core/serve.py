@@ -128,7 +128,7 @@ def check_database(url: str, timeout: float = 10.0) -> None:
         reason = f"{type(e).__name__}: {e}".strip().rstrip(":")
         raise PipelineError(
             f"the database {redact(url)} is unreachable ({reason}). Start PostgreSQL, create the user and database "
-            "(README: 'One box (SQLite) or a team (PostgreSQL)'), or fix --database or "
+            "(docs/OPERATIONS.md: 'One box (SQLite) or a team (PostgreSQL)'), or fix --database or "
             "PREFECT_SERVER_DATABASE_CONNECTION_URL"
         ) from None
 

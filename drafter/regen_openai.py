@@ -143,7 +143,7 @@ class ServerClient:
             if time.monotonic() >= deadline:
                 raise RegenerateError(
                     f"cannot reach the OpenAI-compatible server at {self.cfg.base_url} ({err}; waited "
-                    f"{self.cfg.server_wait_s:.0f} s, regenerate.server_wait_s). Start the server (README: "
+                    f"{self.cfg.server_wait_s:.0f} s, regenerate.server_wait_s). Start the server (docs/DRAFTER.md: "
                     "'Regenerating with vLLM or SGLang') or set regenerate.base_url to where it listens"
                 )
             log.info("waiting for the server at %s (%s)", self.cfg.base_url, err)

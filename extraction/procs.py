@@ -6,12 +6,13 @@ cannot interrupt a thread stuck in a C call. The child reports progress as JSON 
 result (or a user error) at the end; the parent turns a crash or a timeout into an exception the task
 retries, and a user error into a PipelineError it does not.
 
-Stopping (docs: README "Stopping a run"): every live worker is registered here. `stop_workers()` (called by the
-flow when the run is interrupted: Ctrl-C, SIGTERM, a cancelled flow run) sends each worker SIGTERM, which makes
-it stop at its next batch boundary after the shards already handed to its writers are committed, and SIGKILLs
-the worker's process group (its store-writer processes too) after STOP_GRACE_S. A stopped worker is reported as
-WorkerStopped, a PipelineError, so no task retries it. If this process dies without stopping them (SIGKILL),
-each worker notices on its own (worker_main.watch_parent) and exits; its GPU lock dies with it.
+Stopping (docs/USAGE.md, "Resuming, reruns, and what is never lost"): every live worker is registered here.
+`stop_workers()` (called by the flow when the run is interrupted: Ctrl-C, SIGTERM, a cancelled flow run) sends
+each worker SIGTERM, which makes it stop at its next batch boundary after the shards already handed to its
+writers are committed, and SIGKILLs the worker's process group (its store-writer processes too) after
+STOP_GRACE_S. A stopped worker is reported as WorkerStopped, a PipelineError, so no task retries it. If this process
+dies without stopping them (SIGKILL), each worker notices on its own (worker_main.watch_parent) and exits; its GPU
+lock dies with it.
 """
 
 from __future__ import annotations

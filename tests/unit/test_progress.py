@@ -81,3 +81,24 @@ def test_the_terminal_display_ends_each_stage_with_its_line():
     _run_stages(progress.BarDisplay(out))  # rich renders no live bar into a StringIO; the end lines stay
     lines = [line for line in out.getvalue().splitlines() if line.strip()]
     assert [line.split(": ")[0] for line in lines] == ["[1/2] probe", "[2/2] train"], lines
+
+
+def test_the_prepare_line_says_why_rows_were_dropped_or_quarantined():
+    # the reasons were in the manifest only: "64 dropped" said nothing of why
+    from types import SimpleNamespace
+
+    r = SimpleNamespace(
+        n_samples=256,
+        n_tokens=19_525,
+        n_rows=1_330,
+        dropped={"over max_length": 3, "exact duplicate": 1_064},
+        quarantined=7,
+        quarantined_by_reason={"no assistant turn": 7},
+        reused=False,
+    )
+    assert progress.said_prepare(r) == (
+        "256 samples, 19,525 tokens of 1,330 rows, 1,067 dropped (exact duplicate 1,064, over max_length 3), "
+        "7 quarantined (no assistant turn 7)"
+    )
+    r.dropped, r.quarantined = {}, 0
+    assert progress.said_prepare(r) == "256 samples, 19,525 tokens of 1,330 rows"

@@ -6,6 +6,7 @@ verify; this keeps the text from drifting away from them.)"""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -81,3 +82,33 @@ def test_every_deployment_run_shown_names_a_deployment_and_valid_overrides():
         for i, a in enumerate(argv):
             if a == "-p" and argv[i + 1].startswith("overrides="):
                 load_config(None, json.loads(argv[i + 1].split("=", 1)[1]))
+
+
+# A message or docstring that sends the reader to a section: `(README: 'Section')`, `docs/STORE.md, "Section"`.
+SECTION_REF = re.compile(r"\b(README|docs/[A-Z]+\.md)[:,]? ['\"]([^'\"]+)['\"]")
+CODE = ["core", "dataprep", "deployments", "drafter", "embedded", "extraction", "flows", "storage", "tasks"]
+
+
+def _strings(tree: ast.AST):
+    """Every string of a module as Python joins it (adjacent literals, an f-string's parts with {} for fields)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, ast.JoinedStr):
+            yield "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+
+
+def test_every_section_a_message_points_to_is_in_that_document():
+    # two errors sent readers to README sections that live in docs/OPERATIONS.md and docs/DRAFTER.md
+    refs = {
+        (str(f.relative_to(ROOT)), "README.md" if doc == "README" else doc, section)
+        for folder in CODE
+        for f in sorted((ROOT / folder).rglob("*.py"))
+        for s in _strings(ast.parse(f.read_text()))
+        for doc, section in SECTION_REF.findall(s)
+    }
+    assert len(refs) >= 10, refs
+    for where, doc, section in sorted(refs):
+        text = (ROOT / doc).read_text().splitlines()
+        leads = [line.lstrip("#*").strip() for line in text if line.startswith(("#", "**"))]  # headings, bold leads
+        assert any(lead.startswith(section) for lead in leads), f"{where}: {doc} has no section {section!r}"
