@@ -17,25 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, discard, quant, retention
+from dflash_pipeline.storage import digest, quant, retention
 from dflash_pipeline.storage.layout import (
-    COMPRESSIONS,
-    DTYPES,
     FORMAT_VERSION,
     NOTHING_COMMITTED,
     PLANS,
     READER_ATTRS,
     VALIDATION,
     VERSION_RECORD,
-    chunking,
     commit_record_problem,
-    compressors,
-    sharded_arrays,
 )
-from dflash_pipeline.storage.location import Location, open_location, resource_error
+from dflash_pipeline.storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
 
@@ -528,210 +521,18 @@ class Store:
         shard_mib: float,
         compression: str,
     ) -> PlanResult:
-        """Create unit groups for samples not yet in any unit of this version.
+        """Create unit groups for samples not yet in any unit of this version, after removing half-planned units
+        and rebuilding damaged ones (storage/planning.py). `fetch(rows)` returns (input_ids, loss_masks) of those
+        prepared rows."""
+        from dflash_pipeline.storage import planning
 
-        `fetch(rows)` returns (input_ids, loss_masks) of those prepared rows.
-        A unit is planned only once its `planned` attribute is written (last); a unit group without it
-        (the planner was killed) is removed and planned again. Units are consecutive runs of the
-        prepared order, stored longest-first (batches of similar length; OOM shows up at once).
-        """
-        attrs = self.attrs(version)
-        retention.restore_for_extraction(self, version)  # units whose data retention deleted: planned again
-        for u in self.units(version):
-            if not self._half_planned(version, u):
-                continue
-            log.warning("removing half-planned unit %s", u)
-            self.loc.rmtree(self._unit_rel(version, u))
-            self.loc.rmtree(self._plan_rel(version, u))
-        row_of = {sid: i for i, sid in enumerate(sample_ids)}
-        repaired = self._repair_units(version, attrs, row_of, lengths, fetch, compression)
-        assigned: set[str] = set()
-        for u in self.units(version):
-            assigned.update(s[0] for s in self.unit_attrs(version, u)["samples"])
-        for u in self.planned_units(version):  # a unit no repair touches (a duplicate pair) keeps its samples
-            try:
-                assigned.update(s[0] for s in (self.plan_record(version, u) or {}).get("samples") or [])
-            except ValueError:  # an unreadable plan record: verify and validation name it
-                pass
-        todo = [i for i, s in enumerate(sample_ids) if s not in assigned]
-        groups: list[list[int]] = []
-        cur, cur_tokens = [], 0
-        for i in todo:
-            if cur and cur_tokens + lengths[i] > unit_tokens:
-                groups.append(cur)
-                cur, cur_tokens = [], 0
-            cur.append(i)
-            cur_tokens += lengths[i]
-        if cur:
-            groups.append(cur)
-
-        existing = self.units(version)
-        next_no = int(existing[-1][1:]) + 1 if existing else 0
-        k, hidden, logical = len(attrs["layer_ids"]), attrs["hidden_size"], attrs["logical_dtype"]
-        precision = quant.scheme(attrs)
-        new_units = []
-        row, stored = quant.row_shapes(precision, DTYPES[logical][0], k, hidden)["hidden"]
-        for gi, members in enumerate(groups):
-            order = sorted(members, key=lambda i: (-lengths[i], i))
-            name = f"u{next_no + gi:05d}"
-            n_tokens = sum(lengths[i] for i in order)
-            chunk, shard = chunking(int(np.prod(row)) * stored.itemsize, chunk_mib, shard_mib, n_tokens)
-            starts = np.cumsum([0] + [lengths[i] for i in order])[:-1]
-            plan = {
-                "samples": [[sample_ids[i], int(st), int(lengths[i])] for i, st in zip(order, starts)],
-                "n_tokens": n_tokens,
-                "shard_tokens": shard,
-                "chunk_tokens": chunk,
-                "logical_dtype": logical,
-                "compression": compression,
-            }
-            self._create_unit(version, name, plan, order, fetch, k, hidden, attrs.get("capture_last", False), precision)
-            new_units.append(UnitInfo(name, len(order), n_tokens))
-        pending = [
-            self.unit_info(version, u)
-            for u in self.units(version)
-            if not self.commit_record(version, u).get("complete")
-        ]
-        return PlanResult(
-            version, self.loc.url_of(version), new_units, pending, len(self.units(version)), len(todo), repaired
+        return planning.plan_units(
+            self, version, sample_ids, lengths, fetch, unit_tokens, chunk_mib, shard_mib, compression
         )
-
-    def _half_planned(self, version: str, unit: str) -> bool:
-        """The planner was killed before it marked the unit planned (its last step): no commit record, and its
-        attributes readable without `planned`. An unreadable zarr.json, or `planned` altered in a unit with a
-        commit record, is damage instead: `_repair_units` rebuilds the unit from its plan record."""
-        if self.loc.exists(f"{self._unit_rel(version, unit)}/commit.json"):
-            return False
-        try:
-            return not self.unit_attrs(version, unit).get("planned")
-        except Exception:  # noqa: BLE001 - unreadable metadata: the repair rebuilds it from its plan record, if any
-            return not self.loc.exists(self._plan_rel(version, unit))
-
-    def _repair_units(self, version, attrs, row_of, lengths, fetch, compression) -> list[str]:
-        """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
-        that differ from the plan record, a unit directory missing) are discarded and created again from their
-        plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
-        exactly those samples, bit for bit. A plan record that the unit's committed attributes contradict (their
-        zarr.json equals its commit record's digest) is the damaged one: it is rewritten from them and the unit
-        is not touched. Units that verify are not touched; a unit without commit record is unfinished work, which
-        its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
-        units whose bytes differ; this then recreates them too."""
-        from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
-
-        report = verify_version(self, version, digests=False)
-        for line in rebuild_plan_records(self, report):
-            log.warning("store version %s: %s", self.loc.url_of(version), line)
-        damaged = report.units_to_rebuild()
-        discarded = discard.record(self, version)
-        if present := [u for u in sorted(damaged) if self.loc.exists(self._unit_rel(version, u))]:
-            discard.refuse_while_read(self, version, present, "rerun to rebuild them")
-        for u, problems in damaged.items():
-            unit_url = self.loc.url_of(self._unit_rel(version, u))
-            try:
-                plan = self.plan_record(version, u)
-            except ValueError:
-                plan = None
-            if not isinstance(plan, dict) or not all(k in plan for k in PLANNED_KEYS):
-                raise StoreError(
-                    f"unit {unit_url} is damaged ({problems[0]}) and has no intact plan record to rebuild it from: "
-                    "delete its directory and its plan record, and rerun to plan its samples again into a new unit"
-                )
-            foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
-            if foreign:
-                raise StoreError(
-                    f"unit {unit_url} is damaged ({problems[0]}) and holds "
-                    f"{len(foreign)} samples that are not in this run's prepared dataset (e.g. {foreign[0]}); rerun "
-                    "with the dataset it was made from (see the version's dataset_fingerprints) to repair it"
-                )
-            wrong = [(sid, n, lengths[row_of[sid]]) for sid, _, n in plan["samples"] if lengths[row_of[sid]] != n]
-            if wrong:
-                sid, n, m = wrong[0]
-                raise StoreError(
-                    f"unit {unit_url} is damaged ({problems[0]}) and its plan record {self._plan_rel(version, u)} "
-                    f"contradicts the prepared dataset (sample {sid}: {n} tokens in the record, {m} prepared; "
-                    f"{len(wrong)} such samples), so it cannot be rebuilt from it: delete the unit's directory and "
-                    "its plan record, and rerun to plan those samples again into a new unit"
-                )
-            if u in discarded and not self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json"):
-                log.info(
-                    "unit %s was discarded by verify --repair: extracting its %d samples again",
-                    unit_url,
-                    len(plan["samples"]),
-                )
-            else:
-                log.warning(
-                    "unit %s failed verification (%s); discarding it and extracting its %d samples again",
-                    unit_url,
-                    "; ".join(problems[:3]),
-                    len(plan["samples"]),
-                )
-            order = [row_of[sid] for sid, _, _ in plan["samples"]]
-            if (packing := plan.get("compression", "zstd")) not in COMPRESSIONS:  # an edited record: the run's
-                packing = compression
-            self._create_unit(
-                version,
-                u,
-                {**plan, "compression": packing},
-                order,
-                fetch,
-                len(attrs["layer_ids"]),
-                attrs["hidden_size"],
-                attrs.get("capture_last", False),
-                quant.scheme(attrs),
-            )
-            discard.forget(self, version, u)  # planned again: no longer discarded
-        return sorted(damaged)
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]
         return UnitInfo(unit, len(samples), sum(s[2] for s in samples))
-
-    def _create_unit(self, version, name, plan, order, fetch, k, hidden, capture_last, precision="full") -> None:
-        """Create unit `name` as `plan` says (its attributes: samples in storage order, n_tokens, shard and
-        chunk tokens, logical dtype, compression); `order` are the prepared rows of its samples, in that
-        order. The plan record is written before the unit is marked planned (its last step)."""
-        try:
-            self._create_unit_files(version, name, plan, order, fetch, k, hidden, capture_last, precision)
-        except OSError as e:
-            err = resource_error(e, self.loc.url_of(self._unit_rel(version, name)))
-            if err is None:
-                raise
-            raise err from e
-
-    def _create_unit_files(self, version, name, plan, order, fetch, k, hidden, capture_last, precision) -> None:
-        logical, n_tokens = plan["logical_dtype"], plan["n_tokens"]
-        chunk, shard = plan["chunk_tokens"], plan["shard_tokens"]
-        row_shapes = quant.row_shapes(precision, DTYPES[logical][0], k, hidden)
-        rel = self._unit_rel(version, name)
-        self.loc.rmtree(rel)
-        g = self.loc.open_group(rel, mode="w")
-        for array in sharded_arrays(capture_last, precision):
-            # Every sharded array has the same shard length along tokens as `hidden`, so one commit covers all.
-            row, dtype = row_shapes[array]
-            g.create_array(
-                array,
-                shape=(n_tokens, *row),
-                chunks=(chunk, *row),
-                shards=(shard, *row),
-                dtype=dtype,
-                compressors=compressors(plan["compression"], dtype.itemsize),
-                fill_value=0,
-            )
-        input_ids, loss_masks = fetch(order)
-        ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids])
-        mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in loss_masks])
-        g.create_array(
-            "input_ids", data=ids, chunks=(max(1, min(n_tokens, 1 << 20)),), compressors=compressors("zstd", 4)
-        )
-        g.create_array(
-            "loss_mask", data=mask, chunks=(max(1, min(n_tokens, 1 << 20)),), compressors=compressors("zstd", 1)
-        )
-        unit_attrs = {
-            key: plan[key] for key in ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
-        }
-        g.attrs.update(unit_attrs)
-        self.loc.write_json_atomic(self._plan_rel(version, name), {**unit_attrs, "compression": plan["compression"]})
-        g.attrs["planned"] = True  # last: from here on the unit exists
 
     def delete_version(self, version: str) -> None:
         assert version != self.current(), "refusing to delete the CURRENT version"
