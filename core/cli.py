@@ -344,10 +344,23 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
-    from dflash_pipeline.config import defaults_yaml
+    from dflash_pipeline.config import defaults_yaml, load_config
+    from dflash_pipeline.errors import ConfigError
 
-    print(defaults_yaml(), end="")
+    try:
+        cfg = load_config(args.config, args.set) if args.config or args.set else None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(defaults_yaml(cfg), end="")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number")
+    return n
 
 
 class _PlainLines(logging.Formatter):
@@ -412,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", help="local Prefect server + work pool + deployments + worker (Ctrl-C, SIGTERM, SIGHUP stop it)"
     )
-    sv.add_argument("--port", type=int, default=4200)
+    sv.add_argument("--port", type=int, default=4200, help="the Prefect server's port (default 4200)")
     sv.add_argument(
         "--home",
         help="Prefect's home (its SQLite database, and serve's logs); default $PREFECT_HOME or ~/.prefect, logs then "
@@ -428,7 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="the server's address: 0.0.0.0 lets workers on other machines connect"
     )
     sv.set_defaults(fn=cmd_serve)
-    sc = sub.add_parser("show-config", help="print the default configuration, documented, as YAML")
+    sc = sub.add_parser(
+        "show-config", help="print the configuration, documented, as YAML: the defaults, or what --config/--set make"
+    )
+    sc.add_argument("--config", help="YAML config file (see configs/default.yaml)")
+    sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     sc.set_defaults(fn=cmd_show_config)
     vf = sub.add_parser("verify", help="check a store version: every committed file, digest and attribute")
     vf.add_argument("store", help="the store path (or s3://bucket/prefix)")
@@ -445,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check a version that did not pass validation (or, with no CURRENT, the newest): a warning, not a failure",
     )
-    vf.add_argument("--threads", type=int, default=4, help="units checked at once")
+    vf.add_argument("--threads", type=_positive_int, default=4, help="units checked at once (default 4)")
     vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     vf.set_defaults(fn=cmd_verify)
     return parser
