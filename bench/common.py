@@ -143,6 +143,7 @@ def synthetic_samples(n_tokens: int, vocab: int, seed: int = 0):
 
 def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: str):
     from dflash_pipeline.extraction.plan import target_identity
+    from dflash_pipeline.storage.planning import plan_units
     from dflash_pipeline.storage.store import Store
 
     # The identity keys of extraction/plan.py:provenance (the rest needs a prepared dataset; this bench has
@@ -155,7 +156,9 @@ def plan_store(root: Path, report, cfg, sample_ids, lengths, ids, dtype_name: st
     def fetch(rows):
         return [ids[i] for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
 
-    plan = store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression)
+    plan = plan_units(
+        store, version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression
+    )
     return store, version, [u.name for u in plan.pending_units]
 
 

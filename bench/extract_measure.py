@@ -198,6 +198,7 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
     """Store-writer throughput without a GPU: bf16 rows of random normal values (compress like hidden
     states: ratio ~1.45 with zstd), fed through UnitWriter.add in 16k-token batches."""
     from dflash_pipeline.extraction.config import ExtractConfig
+    from dflash_pipeline.storage.planning import plan_units
     from dflash_pipeline.storage.store import Store
     from dflash_pipeline.storage.writer import UnitWriter
 
@@ -222,7 +223,8 @@ def writer_bench(work: Path, k: int, h: int, total_gib: float, configs: list[tup
             False,
         )
         ids = [np.zeros(n_tokens, np.int32)]
-        plan = store.plan_units(
+        plan = plan_units(
+            store,
             v,
             ["x"],
             [n_tokens],

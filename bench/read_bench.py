@@ -27,6 +27,7 @@ def build(root: Path, precision: str, tokens: int, k: int, h: int) -> tuple[str,
     from dflash_pipeline.calibration import _write_synthetic
     from dflash_pipeline.storage import quant
     from dflash_pipeline.storage.layout import FORMAT_VERSION
+    from dflash_pipeline.storage.planning import plan_units
     from dflash_pipeline.storage.store import Store
 
     rng = np.random.default_rng(0)
@@ -43,7 +44,7 @@ def build(root: Path, precision: str, tokens: int, k: int, h: int) -> tuple[str,
     def fetch(rows):
         return [np.zeros(lengths[i], np.int32) for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
 
-    plan = store.plan_units(version, ids, lengths, fetch, 1 << 40, 4.0, 128.0, "zstd")
+    plan = plan_units(store, version, ids, lengths, fetch, 1 << 40, 4.0, 128.0, "zstd")
     report = SimpleNamespace(layer_ids=list(range(k)), hidden_size=h, capture_last=False)
     _write_synthetic(store, version, plan.new_units[0].name, report, "bfloat16", precision)
     return str(root / precision), version

@@ -29,6 +29,7 @@ import numpy as np
 
 from dflash_pipeline.storage import reader as reader_mod
 from dflash_pipeline.storage.layout import LAYER_CONVENTION
+from dflash_pipeline.storage.planning import plan_units
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import verify_version
@@ -60,7 +61,7 @@ def build(root: Path, gb: float, hidden: int, layers: int, unit_tokens: int, see
     def fetch(rows):
         return [np.zeros(lengths[i], np.int32) for i in rows], [np.ones(lengths[i], np.uint8) for i in rows]
 
-    store.plan_units(version, ids, lengths, fetch, unit_tokens, 4.0, 128.0, "zstd")
+    plan_units(store, version, ids, lengths, fetch, unit_tokens, 4.0, 128.0, "zstd")
     # bf16 bits of N(0, 1) values: compresses like real states (~1.4x with zstd)
     pool = (rng.standard_normal((8192, layers, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     for u in store.units(version):

@@ -32,6 +32,7 @@ from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.commit import crash_points_off, write_atomic
 from dflash_pipeline.storage.discard import discard_units
 from dflash_pipeline.storage.layout import DTYPES, FORMAT_VERSION, to_storage
+from dflash_pipeline.storage.planning import plan_units
 from dflash_pipeline.storage.shardio import pid_alive
 from dflash_pipeline.storage.store import Store
 
@@ -213,7 +214,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
         return part["input_ids"], part["loss_mask"]
 
     ids, lens = list(sub["sample_id"]), list(sub["seq_len"])
-    plan = store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+    plan = plan_units(store, version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
     unit, n = plan.new_units[0].name, plan.new_units[0].n_tokens
     fallback = ""
     if mode == "forward":
@@ -243,7 +244,7 @@ def _calibrate_into(scratch: Path, cfg, report, prepared, logical, ds, rows, mod
             fallback = f" (the CPU forward failed: {type(e).__name__}: {str(e)[:200]})"
             mode = "synthetic"
             discard_units(store, version, [unit])  # recreated empty from its plan record
-            store.plan_units(version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
+            plan_units(store, version, ids, lens, fetch, 1 << 62, x.chunk_mib, x.shard_mib, x.compression)
     if mode != "forward":
         _write_synthetic(store, version, unit, report, logical, precision)
         how = "synthetic rows (Gaussian, log-normal channel scales)" + fallback

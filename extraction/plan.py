@@ -15,6 +15,7 @@ from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerpri
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant
 from dflash_pipeline.storage.layout import FORMAT_VERSION, LAYER_CONVENTION
+from dflash_pipeline.storage.planning import plan_units
 from dflash_pipeline.storage.store import PlanResult, Store, UnitInfo
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ def plan_extraction(
         return sub["input_ids"], sub["loss_mask"]
 
     x = cfg.extract
-    return store.plan_units(version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression)
+    return plan_units(
+        store, version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression
+    )
 
 
 def assign_units(units: list[UnitInfo], devices: list[str]) -> dict[str, list[str]]:

@@ -2,7 +2,7 @@
 order, stored longest-first), and each unit is created empty from its plan: arrays, ids, mask, attributes and the
 plan record, marked `planned` last. Before that the planner removes what an interrupted planner left (half-planned
 units) and rebuilds damaged units from their plan records under their names (docs/STORE.md, "Repair"). Only the
-flow's driver plans (`Store.plan_units` calls this)."""
+flow's driver plans (extraction/plan.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -509,26 +509,6 @@ class Store:
                 "from its plan record (`dflash-pipeline verify` lists every problem)"
             )
         return dict(NOTHING_COMMITTED) if rec is None else rec
-
-    def plan_units(
-        self,
-        version: str,
-        sample_ids: list[str],
-        lengths: list[int],
-        fetch: Callable[[list[int]], tuple[list, list]],
-        unit_tokens: int,
-        chunk_mib: float,
-        shard_mib: float,
-        compression: str,
-    ) -> PlanResult:
-        """Create unit groups for samples not yet in any unit of this version, after removing half-planned units
-        and rebuilding damaged ones (storage/planning.py). `fetch(rows)` returns (input_ids, loss_masks) of those
-        prepared rows."""
-        from dflash_pipeline.storage import planning
-
-        return planning.plan_units(
-            self, version, sample_ids, lengths, fetch, unit_tokens, chunk_mib, shard_mib, compression
-        )
 
     def unit_info(self, version: str, unit: str) -> UnitInfo:
         samples = self.unit_attrs(version, unit)["samples"]
