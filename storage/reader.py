@@ -29,6 +29,7 @@ import torch
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
+from dflash_pipeline.storage.duplicates import duplicate_samples
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage, sharded_arrays
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
@@ -37,7 +38,6 @@ from dflash_pipeline.storage.verify import (
     Problem,
     check_unit,
     check_version_attrs,
-    duplicate_samples,
     layout_problems,
     null_entry_problem,
 )
