@@ -1,6 +1,6 @@
 """Units of one version that hold the same samples (a unit directory copied into the version, or planned twice):
 found by the reader in the samples it indexes, and by `verify`, which says which unit does not belong when the
-records show it. No repair touches either unit of such a pair (docs/STORE.md, "What no repair does")."""
+records show it. No repair touches either unit of such a pair (docs/STORE.md, "Integrity (format 2)")."""
 
 from __future__ import annotations
 
