@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.storage import quant
+from dflash_pipeline.storage import quant, quant_gpu
 
 SHAPES = {"8b": (5, 4096, 41_300.0), "27b": (5, 5120, 11_665.0)}
 
@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             if p == "full":
                 continue
             s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
+            kernel = p in quant.GROUPED and quant_gpu.kernel_for(x.device, quant._round_pack) is not None
+            eager_s = None
+            if kernel:  # the eager tail, for comparison (and its bytes must be the kernel's)
+                quant_gpu._CHECKED[x.device] = None
+                eager_s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
+                q_eager = quant.quantize(x, p)[0]
+                quant_gpu._CHECKED[x.device] = quant_gpu.round_pack
             q, scale = quant.quantize(x, p)
             b = stored_bytes(q, scale)
             y = quant.dequantize(q, scale, p, torch.float32)
@@ -70,18 +77,23 @@ def main(argv: list[str] | None = None) -> int:
             rest[7] = False
             err_rest = (y - xf)[..., rest].norm() / xf[..., rest].norm()
             err_massive = (y - xf)[..., 7].norm() / xf[..., 7].norm()
-            # The same rows quantized on the CPU, and the GPU's bytes decoded on the CPU: the store must not depend
-            # on where it was written or read (the reader decodes with numpy, training on the GPU).
+            # The same rows quantized on the CPU (and by the eager tail on this device, where the Triton kernel ran),
+            # and the GPU's bytes decoded on the CPU: the store must not depend on where it was written or read (the
+            # reader decodes with numpy, training on the GPU).
             qc, sc = quant.quantize(x[:1024].cpu(), p)
             same_bytes = bool(torch.equal(qc, q[:1024].cpu()) and torch.equal(sc, scale[:1024].cpu()))
             y_cpu = quant.dequantize(q[:1024].cpu(), scale[:1024].cpu(), p, torch.float32)
             same_decode = bool(torch.equal(y_cpu, y[:1024].cpu()))
+            if kernel:
+                same_bytes = same_bytes and bool(torch.equal(q_eager, q))
             rows.append(
                 {
                     "shape": name,
                     "precision": p,
                     "quantize_ms": round(s * 1e3, 3),
                     "share_of_forward": round(s / fwd_s, 5),
+                    "triton_kernel": kernel,
+                    **({"quantize_ms_eager": round(eager_s * 1e3, 3)} if kernel else {}),
                     "bytes_per_token": b / args.tokens,
                     "of_raw_bf16": round(b / raw, 4),
                     "GB_per_s": round(raw / s / 1e9, 1),
