@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             if p == "full":
                 continue
             s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
-            kernel = p in quant.GROUPED and quant_gpu.kernel_for(x.device, quant._round_pack) is not None
+            kernel = p in quant.GROUPED and x.is_cuda and quant_gpu.kernel_for(x.device) is not None
             eager_s = None
-            if kernel:  # the eager tail, for comparison (and its bytes must be the kernel's)
+            if kernel:  # the eager path, for comparison (and its bytes must be the kernel's)
                 quant_gpu._CHECKED[x.device] = None
                 eager_s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
                 q_eager = quant.quantize(x, p)[0]
-                quant_gpu._CHECKED[x.device] = quant_gpu.round_pack
+                quant_gpu._CHECKED[x.device] = quant_gpu.quantize
             q, scale = quant.quantize(x, p)
             b = stored_bytes(q, scale)
             y = quant.dequantize(q, scale, p, torch.float32)

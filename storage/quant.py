@@ -189,18 +189,23 @@ def _steps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Few passes over the rows (the quantization runs inside the extraction worker's budget, issue 29: <= 2% of
-    the forward): the group maxima in one pass over x as it is (bf16 on a GPU: a max is exact in any dtype), then
-    the groups' steps (small), then the division, rounding and packing: one Triton kernel on a CUDA GPU
-    (storage/quant_gpu.py), `_round_pack` elsewhere; both give the same bytes."""
+    """On a CUDA GPU one Triton kernel (storage/quant_gpu.py: the quantization runs inside the extraction worker's
+    budget, issue 29: <= 2% of the forward), checked there to give the eager path's bytes; elsewhere eager."""
+    fused = quant_gpu.kernel_for(x.device) if x.is_cuda else None
+    return (fused or _quantize_grouped_eager)(x, precision)
+
+
+def _quantize_grouped_eager(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped quantization in torch (the reference of storage/quant_gpu.py's kernel): the group maxima in one
+    pass over x as it is (a max is exact in any dtype), one division computed in float32 from x's own values (no
+    float32 copy of the rows), rounding into int8 and, for int4, the packing in bytes."""
     qmax = QMAX[precision]
     *lead, h = x.shape
     n_groups = groups(h, precision)
-    padded = x
     if n_groups * GROUP != h:  # zeros complete the last group: they change no group's max
-        padded = torch.nn.functional.pad(x, (0, n_groups * GROUP - h))
-    gmax = _absmax(padded.view(*lead, n_groups, GROUP))  # [..., groups]
-    del padded
+        x = torch.nn.functional.pad(x, (0, n_groups * GROUP - h))
+    xg = x.view(*lead, n_groups, GROUP)
+    gmax = _absmax(xg)  # [..., groups]
     amax = gmax.amax(-1)
     bad = ~torch.isfinite(amax)  # NaN / inf: R = NaN, so the whole row decodes to NaN
     any_bad = bool(bad.any())  # the one host sync
@@ -211,34 +216,24 @@ def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, to
     ref = _over_qmax(amax, precision)
     step = ref.unsqueeze(-1) * steps[codes]
     step = torch.where(step == 0, torch.ones_like(step), step)  # an all-zero row: 0 / 1 = 0 (groups, not values)
-    kernel = quant_gpu.kernel_for(x.device, _round_pack) if x.is_cuda else None
-    q = (kernel or _round_pack)(x, step, qmax, precision == "int4")
+    y = xg / step.unsqueeze(-1)  # bf16 / float32: each value widened exactly, divided in float32
+    del x, xg
+    if any_bad:  # only then can y hold NaN or an infinity (0 / 0, x / inf)
+        y.nan_to_num_(0.0, qmax, -qmax)
+    # A group's step is at least its max / qmax up to float32 rounding, so |round(y)| <= qmax, except where R is
+    # a float32 subnormal (a row's max under ~1e-38 loses the precision that needs): the clamp keeps those from
+    # wrapping to -128 (int4: -8), the bound documented for all
+    q = y.round_().clamp_(-qmax, qmax).to(torch.int8).view(*lead, n_groups * GROUP)[..., :h]
+    if precision == "int4":
+        q = q.view(torch.uint8)
+        q = (q[..., 0::2] & 15) | (q[..., 1::2] << 4)  # 4-bit two's complement, even channel low
+    else:
+        q = q.contiguous()
     if any_bad:
         ref = torch.where(bad, torch.full_like(ref, math.nan), ref)
         codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
     header = ref.contiguous().unsqueeze(-1).view(torch.uint8)  # [..., 4]: R's float32 bytes
     return q, torch.cat([header, codes.to(torch.uint8)], -1)
-
-
-def _round_pack(x: torch.Tensor, step: torch.Tensor, qmax: float, int4: bool) -> torch.Tensor:
-    """Rows x [..., H] and their groups' steps [..., groups] -> the stored values: round(x / step) in [-qmax, qmax],
-    int8 [..., H], or int4 packed two a byte [..., H / 2] uint8 (4-bit two's complement, even channel low)."""
-    *lead, h = x.shape
-    n_groups = step.shape[-1]
-    if n_groups * GROUP != h:
-        x = torch.nn.functional.pad(x, (0, n_groups * GROUP - h))
-    y = x.view(*lead, n_groups, GROUP) / step.unsqueeze(-1)  # bf16 / float32: each value widened exactly
-    del x
-    # NaN / inf only in a non-finite row (0 / 0, x / inf), whose reference R is NaN: any level will do
-    y.nan_to_num_(0.0, qmax, -qmax)
-    # A group's step is at least its max / qmax up to float32 rounding, so |round(y)| <= qmax, except where R is
-    # a float32 subnormal (a row's max under ~1e-38 loses the precision that needs): the clamp keeps those from
-    # wrapping to -128 (int4: -8), the bound documented for all
-    q = y.round_().clamp_(-qmax, qmax).to(torch.int8).view(*lead, n_groups * GROUP)[..., :h]
-    if int4:
-        q = q.view(torch.uint8)
-        return (q[..., 0::2] & 15) | (q[..., 1::2] << 4)
-    return q.contiguous()
 
 
 def dequantize(q, scale, precision: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,28 +1,30 @@
-"""The heavy tail of the grouped schemes' quantization (storage/quant.py, int8 and int4) as one Triton kernel on a
-CUDA GPU: each value divided by its group's step, rounded half to even, clamped to [-QMAX, QMAX] and, for int4,
-two values packed in a byte, in one pass that reads the bf16 rows and writes the stored bytes.
+"""The grouped schemes' quantization (storage/quant.py, int8 and int4) as one Triton kernel on a CUDA GPU: one
+program per row reads the row once and writes its stored values and scale bytes (group maxima, the row reference
+R, each group's code and step, the division, rounding, clamping and, for int4, two values a byte).
 
-Eager torch takes ~8 passes over the rows for the same work (a float32 quotient, rounding, clamping, the cast, the
-nibble packing): 2.2% of the 8B forward in session 21 (bench/RESULTS.md), above issue 29's 2% budget.
+Eager torch takes ~12 kernels and one host synchronisation per batch for the same work (the non-finite check).
+Measured on an H200 (bench/RESULTS.md, session 22): eager int4 9.4 ms per 16,384-token batch of the 8B shape, 2.2%
+of the forward (issue 29's budget: 2%); a kernel for the division-to-packing tail alone 4.7 ms, the rest being the
+steps' small kernels and the synchronisation, which also leaves the GPU idle between batches.
 
-The kernel divides with `div_rn` (IEEE round to nearest: Triton's `/` is an approximate division, and CUDA eager
-and the CPU divide exactly) and rounds half to even, as torch.round does, so its bytes are the eager path's.
-`kernel_for(device)` checks that once per device on rows that exercise every branch (massive activations, a zero
-row, NaN and infinities, ties, quotients that are ties only under exact division) and returns None where Triton is
-missing or the check fails (logged): the caller then keeps eager, which gives the same bytes.
+Its bytes are the eager path's: divisions with `div_rn` (IEEE round to nearest: Triton's `/` is approximate, and
+CUDA eager and the CPU divide exactly), rounding half to even with float32 adds (as torch.round), each group's code
+found from an estimate (-16 log2 of its share of the row's max) corrected against the same float32 table of steps
+(quant.STEPS) that eager's searchsorted reads, and a non-finite row stored as eager stores it (R = NaN, codes 0,
+values 0). `kernel_for(device)` checks that once per device against the eager path on rows that exercise every
+branch and returns None where Triton is missing or the check fails (logged): the caller then keeps eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
 import torch
 
 log = logging.getLogger(__name__)
-GROUP = 32  # storage/quant.py's GROUP (not imported: quant imports this module)
-BLOCK = 1024  # stored columns per program
-_CHECKED: dict[torch.device, object] = {}  # device -> round_pack, or None (no Triton, or not bit-equal)
+_CHECKED: dict[torch.device, object] = {}  # device -> quantize, or None (no Triton, or not bit-equal to eager)
 
 try:
     import triton
@@ -32,72 +34,116 @@ try:
         raise ImportError("triton.language.div_rn")
 
     @triton.jit
-    def _level(x, s, QMAX: tl.constexpr):
-        y = tl.div_rn(x.to(tl.float32), s)
-        y = tl.where(y != y, 0.0, y)  # NaN -> 0 (its row's reference is NaN: the row decodes to NaN anyway)
-        # clamping before rounding to the integer bounds gives the same as after (+-inf -> +-QMAX, as nan_to_num
-        # then clamp do); then round half to even with float32 adds: |y| <= 127 < 2^22
+    def _level(x, step, QMAX: tl.constexpr):
+        """round(x / step) clamped to [-QMAX, QMAX], int32; NaN -> 0, +-inf -> +-QMAX (as eager's nan_to_num)."""
+        y = tl.div_rn(x, step)
+        y = tl.where(y != y, 0.0, y)
+        # clamping to the integer bounds before rounding gives what clamping after does; then round half to even
+        # with float32 adds: |y| <= 127 < 2^22, and 1.5 * 2^23 leaves the sum no fraction bits
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: the sum keeps no fraction bits, rounded half to even
+        y = (y + 12582912.0) - 12582912.0
         return y.to(tl.int32)
 
     @triton.jit
-    def _round_pack_kernel(
+    def _nonfinite(v):
+        return tl.max(tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=1), axis=0)
+
+    @triton.jit
+    def _quantize_kernel(
         x_ptr,
-        step_ptr,
-        out_ptr,
+        steps_ptr,
+        q_ptr,
+        scale_ptr,
         hidden,
-        n_cols,
         n_groups,
+        n_cols,
         QMAX: tl.constexpr,
         INT4: tl.constexpr,
         GROUP: tl.constexpr,
-        BLOCK: tl.constexpr,
+        G_PAD: tl.constexpr,
+        NAN_BITS: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
+        g = tl.arange(0, G_PAD)
         x_row = x_ptr + row * hidden
-        if INT4:  # stored column c holds channels 2c (low nibble) and 2c + 1, both of group 2c // 32
-            s = tl.load(step_ptr + row * n_groups + cols // (GROUP // 2), mask=mask, other=1.0)
-            lo = _level(tl.load(x_row + 2 * cols, mask=mask, other=0.0), s, QMAX)
-            hi = _level(tl.load(x_row + 2 * cols + 1, mask=mask, other=0.0), s, QMAX)
-            tl.store(out_ptr + row * n_cols + cols, ((lo & 15) | ((hi & 15) << 4)).to(tl.uint8), mask=mask)
+        # the row as [groups, channels]; int4 as its even and its odd channels (one byte holds one of each)
+        if INT4:
+            j = tl.arange(0, GROUP // 2)[None, :]
+            ch = g[:, None] * GROUP + 2 * j
+            m = ch < hidden  # (hidden is even: the odd channel is in the row where the even one is)
+            a = tl.load(x_row + ch, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(x_row + ch + 1, mask=m, other=0.0).to(tl.float32)
+            gmax = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
+            bad = tl.maximum(_nonfinite(a), _nonfinite(b))
         else:
-            s = tl.load(step_ptr + row * n_groups + cols // GROUP, mask=mask, other=1.0)
-            q = _level(tl.load(x_row + cols, mask=mask, other=0.0), s, QMAX)
-            tl.store(out_ptr + row * n_cols + cols, q.to(tl.int8), mask=mask)
+            j = tl.arange(0, GROUP)[None, :]
+            ch = g[:, None] * GROUP + j
+            m = ch < hidden
+            a = tl.load(x_row + ch, mask=m, other=0.0).to(tl.float32)
+            gmax = tl.max(tl.abs(a), axis=1)
+            bad = _nonfinite(a)
+        amax = tl.max(gmax, axis=0)
+        ratio = tl.where(amax > 0, tl.div_rn(gmax, tl.where(amax > 0, amax, 1.0)), 0.0)
+        # code: the largest c with STEPS[c] >= ratio (eager: 255 - searchsorted(increasing steps, ratio)), from
+        # -16 log2(ratio) (ratio 0: inf -> 255), clamped as an integer (a non-finite row's NaN: any index in range)
+        est = tl.minimum(tl.maximum(-16.0 * tl.log2(ratio), 0.0), 255.0)
+        c = tl.minimum(tl.maximum(est.to(tl.int32), 0), 255)
+        for _ in tl.static_range(2):  # the estimate is off by at most one step either way
+            up = tl.load(steps_ptr + tl.minimum(c + 1, 255))
+            c = tl.where((c < 255) & (up >= ratio), c + 1, c)
+        for _ in tl.static_range(2):
+            c = tl.where((c > 0) & (tl.load(steps_ptr + c) < ratio), c - 1, c)
+        ref = tl.div_rn(amax, QMAX)
+        step = ref * tl.load(steps_ptr + c)
+        step = tl.where(step == 0, 1.0, step)[:, None]
+        if INT4:
+            out = (_level(a, step, QMAX) & 15) | ((_level(b, step, QMAX) & 15) << 4)
+            out = tl.where(bad != 0, 0, out)
+            tl.store(q_ptr + row * n_cols + g[:, None] * (GROUP // 2) + j, out.to(tl.uint8), mask=m)
+        else:
+            out = tl.where(bad != 0, 0, _level(a, step, QMAX))
+            tl.store(q_ptr + row * n_cols + ch, out.to(tl.int8), mask=m)
+        scale_row = scale_ptr + row * (4 + n_groups)
+        bits = tl.where(bad != 0, NAN_BITS, ref.to(tl.uint32, bitcast=True)).to(tl.uint32)
+        k = tl.arange(0, 4).to(tl.uint32)
+        tl.store(scale_row + k, ((bits >> (8 * k)) & 255).to(tl.uint8))  # R's float32 bytes, little-endian
+        tl.store(scale_row + 4 + g, tl.where(bad != 0, 0, c).to(tl.uint8), mask=g < n_groups)
 
 except ImportError:  # CPU-only installs: quant.py's eager path
     triton = None
 
 
-def round_pack(x: torch.Tensor, step: torch.Tensor, qmax: float, int4: bool) -> torch.Tensor:
-    """x [..., H] (bf16 / fp16 / fp32 on a CUDA device), step [..., ceil(H / 32)] float32 -> q: int4 [..., H / 2]
-    uint8 (even channel in the low nibble), int8 [..., H] int8. Non-finite quotients as quant.py's eager path."""
+def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant.quantize of a grouped precision, x [..., H] (bf16 / fp16 / fp32) on a CUDA device, in one kernel."""
+    from dflash_pipeline.storage import quant
+
     *lead, h = x.shape
-    x = x.contiguous().view(-1, h)
-    step = step.contiguous().view(-1, step.shape[-1])
+    n_groups = quant.groups(h, precision)
+    int4 = precision == "int4"
     n_cols = h // 2 if int4 else h
-    out = torch.empty(x.shape[0], n_cols, dtype=torch.uint8 if int4 else torch.int8, device=x.device)
-    if x.shape[0]:
-        grid = (x.shape[0], triton.cdiv(n_cols, BLOCK))
-        with torch.cuda.device(x.device):
-            _round_pack_kernel[grid](
-                x, step, out, h, n_cols, step.shape[-1], QMAX=qmax, INT4=int4, GROUP=GROUP, BLOCK=BLOCK
-            )
-    return out.view(*lead, n_cols)
+    rows = x.contiguous().view(-1, h)
+    q = torch.empty(rows.shape[0], n_cols, dtype=quant.STORED_TORCH[precision], device=x.device)
+    scale = torch.empty(rows.shape[0], quant.SCALE_HEADER + n_groups, dtype=torch.uint8, device=x.device)
+    if rows.shape[0]:
+        g_pad = triton.next_power_of_2(n_groups)
+        # (on the CPU only in Triton's interpreter, TRITON_INTERPRET=1: tests/unit/test_quant_kernel.py)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _quantize_kernel[(rows.shape[0],)](
+                rows, quant._steps(x.device)[0], q, scale, h, n_groups, n_cols,
+                QMAX=quant.QMAX[precision], INT4=int4, GROUP=quant.GROUP, G_PAD=g_pad, NAN_BITS=0x7FC00000,
+                num_warps=8 if g_pad * quant.GROUP >= 4096 else 4,
+            )  # fmt: skip
+    return q.view(*lead, n_cols), scale.view(*lead, scale.shape[-1])
 
 
-def kernel_for(device: torch.device, eager) -> object:
-    """round_pack where Triton runs on `device` and gives eager's bytes for int8 and int4, else None. `eager(x,
-    step, qmax, int4)` is quant.py's eager tail, the reference."""
+def kernel_for(device: torch.device):
+    """`quantize` where Triton runs on `device` and gives the eager path's bytes, else None (logged)."""
     if device in _CHECKED:
         return _CHECKED[device]
     fn = None
     if triton is not None and device.type == "cuda":
         try:
-            fn = round_pack if _agrees(device, eager) else None
+            fn = quantize if _agrees(device) else None
             if fn is None:
                 log.warning("the Triton store quantization differs from eager on %s: eager is used", device)
         except torch.cuda.OutOfMemoryError:
@@ -108,22 +154,45 @@ def kernel_for(device: torch.device, eager) -> object:
     return fn
 
 
-def _agrees(device: torch.device, eager) -> bool:
+def probe_rows() -> torch.Tensor:
+    """Rows that exercise every branch of the grouped quantization: 60 decades of magnitude, a massive activation,
+    a zero row, a zero group, NaN and infinities, exact ties, quotients that are ties only under exact division,
+    a width that is not a multiple of 32 (a partial last group) nor a power of two."""
+    from dflash_pipeline.storage import quant
+
     gen = torch.Generator(device="cpu").manual_seed(2)
-    h = 1000  # not a multiple of GROUP nor of BLOCK: a partial group and a partial program
+    h = 1000
     x = torch.randn(70, h, generator=gen) * torch.logspace(-30, 30, 70)[:, None]
-    x[1, 5] *= 3000.0  # a massive activation
+    x[1, 5] *= 3000.0
     x[2] = 0.0
     x[3, 7], x[4, 9], x[5, 11] = math.nan, math.inf, -math.inf
-    step = torch.rand(70, -(-h // GROUP), generator=gen) + 0.01
-    step[6] = 0.25
-    x[6] = (torch.arange(h) % 24 - 12) * 0.5 * 0.25  # exact ties (in bf16 too): half to even
-    step[2] = 1.0
-    # quotients that are ties only under exact division (a reciprocal's product misses some by an ulp)
-    x[7] = (torch.arange(h) % 24 - 11.5) * step[7].repeat_interleave(GROUP)[:h]
+    x[6] = (torch.arange(h) % 24 - 12) * 0.5 * 0.25  # ties (exact in bf16 too): half to even
+    x[6, 0] = 3.0  # R = 3 / QMAX: the steps are not powers of two
+    x[8, :64] = 0.0
+    # groups whose share of the row's max (1) is a step of the table exactly, or one float32 ulp above it: the
+    # codes' boundaries, where a log2 estimate is off by one
+    steps = torch.from_numpy(quant.STEPS)
+    for r, nudge in ((10, 0), (11, 1)):
+        x[r] = 0.0
+        x[r, 0] = 1.0
+        shares = steps[(torch.arange(1, 32) * 8 + r) % 256]
+        x[r, torch.arange(1, 32) * 32] = shares if not nudge else torch.nextafter(shares, torch.tensor(2.0))
+    for r, qmax in ((7, 127.0), (9, 7.0)):  # every group's max is the row's, so every step is R = 12 / qmax
+        k = torch.arange(h) % int(2 * qmax) - qmax
+        x[r] = (k + 0.5) * (torch.tensor(12.0) / qmax)  # quotients that are ties only under exact division
+        x[r, ::32] = 12.0
+    return x
+
+
+def _agrees(device: torch.device) -> bool:
+    from dflash_pipeline.storage import quant
+
+    x = probe_rows()
     for dtype in (torch.bfloat16, torch.float32):
-        xd, sd = x.to(device, dtype), step.to(device)
-        for qmax, int4 in ((127.0, False), (7.0, True)):
-            if not torch.equal(round_pack(xd, sd, qmax, int4), eager(xd, sd, qmax, int4)):
+        xd = x.to(device, dtype)
+        for precision in quant.GROUPED:
+            q, s = quantize(xd, precision)
+            q_ref, s_ref = quant._quantize_grouped_eager(xd, precision)
+            if not (torch.equal(q, q_ref) and torch.equal(s, s_ref)):
                 return False
     return True
