@@ -150,9 +150,9 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
         q = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         q = y.round_().clamp_(-127.0, 127.0).to(torch.int8)
-    bad = ~torch.isfinite(amax)  # keep NaN / inf visible: the row dequantizes to non-finite values
-    if bad.any():
-        scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
+    # keep NaN / inf visible: the row dequantizes to non-finite values (no `if bad.any()`: a host sync per batch
+    # would leave the GPU idle while the extraction loop waits on it)
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, math.nan))
     return q, scale
 
 
