@@ -229,7 +229,9 @@ def run_shape(shape: str, args, peak_tflops: float, sampler: Sampler) -> dict:
     if disk_test is not None:  # diskcheck.advise as plan runs it, with (a)'s measured rate as the GPU's
         k = len(report.layer_ids) + int(report.capture_last)
         per_token = {p: k * quant.row_bytes(p, report.hidden_size) for p in diskcheck.PREFERENCE}
-        advice = diskcheck.advise(disk_test.bytes_per_s, a["tokens_per_s"], sum(lengths), per_token)
+        advice = diskcheck.advise(
+            disk_test.bytes_per_s, a["tokens_per_s"], sum(lengths), per_token, tested_bytes=disk_test.bytes
+        )
         res["disk_advice"] = advice.to_dict()
         for line in advice.lines():
             log(f"{shape}: {line}")

@@ -358,7 +358,11 @@ def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical:
         return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
     workers = max(1, sum(r.startswith("cuda") for r in report.replicas))
     advice = diskcheck.advise(
-        test.bytes_per_s, est.extract_tokens_per_s * workers, est.tokens, precision_bytes_per_token(est, logical)
+        test.bytes_per_s,
+        est.extract_tokens_per_s * workers,
+        est.tokens,
+        precision_bytes_per_token(est, logical),
+        tested_bytes=test.bytes,
     )
     lines += advice.lines()
     if advice.recommended != est.precision:
