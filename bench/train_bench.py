@@ -215,6 +215,11 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
     start = next((h for h in hist if h["elapsed_s"] >= warm_s), hist[len(hist) // 3])
     end = hist[-1]
     dt = end["elapsed_s"] - start["elapsed_s"]
+    if dt <= 0:
+        raise SystemExit(
+            f"variant {name}: {len(hist)} logged step(s), none after the {warm_s:.0f} s warm-up: nothing to measure; "
+            "give more --minutes (or fewer --warmup-minutes)"
+        )
 
     def delta(k):
         return end[k] - start[k]
