@@ -147,7 +147,7 @@ for step in "$@"; do
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
       for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
-    # Issue 30 in one detached chain (bench/train3_chain.sh: flex tiles, the levers, 10 minutes, the 27B drafter);
+    # Issue 30 in one detached chain (bench/train3_chain.sh: packing against the defaults, 10 minutes, the 27B drafter);
     # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
     train3) mkdir -p /tmp/t3; rm -f /tmp/t3/done
             setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
