@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
             if p == "full":
                 continue
             s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
-            kernel = p in quant.GROUPED and x.is_cuda and quant_gpu.kernel_for(x.device) is not None
+            key = (x.device, x.dtype, hidden)
+            kernel = p in quant.GROUPED and x.is_cuda and quant_gpu.kernel_for(*key) is not None
             eager_s = None
             if kernel:  # the eager path, for comparison (and its bytes must be the kernel's)
-                quant_gpu._CHECKED[x.device] = None
+                quant_gpu._CHECKED[key] = None
                 eager_s = timed(lambda p=p, x=x: quant.quantize(x, p), args.reps)
-                q_eager = quant.quantize(x, p)[0]
-                quant_gpu._CHECKED[x.device] = quant_gpu.quantize
+                q_eager, s_eager = quant.quantize(x, p)
+                quant_gpu._CHECKED[key] = quant_gpu.quantize
             q, scale = quant.quantize(x, p)
             b = stored_bytes(q, scale)
             y = quant.dequantize(q, scale, p, torch.float32)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             y_cpu = quant.dequantize(q[:1024].cpu(), scale[:1024].cpu(), p, torch.float32)
             same_decode = bool(torch.equal(y_cpu, y[:1024].cpu()))
             if kernel:
-                same_bytes = same_bytes and bool(torch.equal(q_eager, q))
+                same_bytes = same_bytes and bool(torch.equal(q_eager, q) and torch.equal(s_eager, scale))
             rows.append(
                 {
                     "shape": name,

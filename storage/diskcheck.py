@@ -8,8 +8,9 @@ compares what each precision would produce with it.
 
 A few GB measure a disk's burst rate, not what it sustains over tens of GB. The GPU machine's fresh disk measured
 2,412 MB/s over 4 GiB and the 8B pipeline producing 1.27 GB/s of bf16 store ran GPU-bound for a 34 GB store
-(session 21, writer wait 0.1 s) but not for a 56 GB one: past ~34 GB the disk took ~0.9-1.0 GB/s, 0.38-0.43 of its
-burst, and the run's (b)/(a) fell to 0.873 (session 22, bench/RESULTS.md). So the advice trusts HEADROOM of the
+(session 21, writer wait 0.1 s) but not for a 56 GB one: the 6.5 s that run lost say the disk took ~0.93 GB/s past
+~34 GB, ~0.39 of its burst (SUSTAINED 0.35 holds if the burst ended as late as ~40 GB), and the run's (b)/(a) fell
+to 0.873 (session 22, bench/RESULTS.md). So the advice trusts HEADROOM of the
 measured rate for the first BURST_BYTES of the store (or what the test wrote, if more) and SUSTAINED of it beyond:
 a run stays GPU-bound while it produces at most what each part allows.
 """
@@ -139,7 +140,7 @@ class DiskAdvice:
     def lines(self) -> list[str]:
         each = "; ".join(
             f"{o.precision} {o.produced_bytes_per_s / 1e6:,.0f} MB/s "
-            + ("GPU-bound" if o.gpu_bound else f"disk-bound at {o.tokens_per_s:,.0f} tokens/s")
+            + ("GPU-bound" if o.gpu_bound else f"disk-bound: {o.tokens_per_s:,.0f} tokens/s on average")
             + f", {o.hours:.3g} h"
             for o in self.options
         )
@@ -171,13 +172,14 @@ def advise(
             f"and bytes per token of at least one precision ({bytes_per_token})"
         )
     burst = max(BURST_BYTES, tested_bytes)
-    usable, later = headroom * bandwidth_bytes_per_s, SUSTAINED * bandwidth_bytes_per_s
+    sustained = min(SUSTAINED, headroom)  # (a caller's lower headroom holds past the burst too)
+    usable, later = headroom * bandwidth_bytes_per_s, sustained * bandwidth_bytes_per_s
     options = []
     for p, bpt in bytes_per_token.items():
         produced, store = gpu_tokens_per_s * bpt, tokens * bpt
         first, rest = min(store, burst), max(store - burst, 0.0)
         seconds = first / min(produced, usable) + rest / min(produced, later)
-        bound = produced <= usable and (rest == 0 or produced <= later)
+        bound = produced <= (later if rest else usable)
         rate = tokens / seconds if seconds > 0 else gpu_tokens_per_s
         options.append(PrecisionOption(p, bpt, produced, store, bound, rate, seconds / 3600))
     bound = {o.precision for o in options if o.gpu_bound}
@@ -191,5 +193,5 @@ def advise(
         pick = min(options, key=lambda o: o.bytes_per_token).precision
         reason = "no precision keeps extraction GPU-bound on this disk; the fewest bytes wait least for it"
     return DiskAdvice(
-        bandwidth_bytes_per_s, gpu_tokens_per_s, tokens, headroom, burst, SUSTAINED, options, pick, reason
+        bandwidth_bytes_per_s, gpu_tokens_per_s, tokens, headroom, burst, sustained, options, pick, reason
     )

@@ -191,7 +191,7 @@ def _steps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """On a CUDA GPU one Triton kernel (storage/quant_gpu.py: the quantization runs inside the extraction worker's
     budget, issue 29: <= 2% of the forward), checked there to give the eager path's bytes; elsewhere eager."""
-    fused = quant_gpu.kernel_for(x.device) if x.is_cuda else None
+    fused = quant_gpu.kernel_for(x.device, x.dtype, x.shape[-1]) if x.is_cuda else None
     return (fused or _quantize_grouped_eager)(x, precision)
 
 

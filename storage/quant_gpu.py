@@ -11,8 +11,10 @@ Its bytes are the eager path's: divisions with `div_rn` (IEEE round to nearest: 
 CUDA eager and the CPU divide exactly), rounding half to even with float32 adds (as torch.round), each group's code
 found from an estimate (-16 log2 of its share of the row's max) corrected against the same float32 table of steps
 (quant.STEPS) that eager's searchsorted reads, and a non-finite row stored as eager stores it (R = NaN, codes 0,
-values 0). `kernel_for(device)` checks that once per device against the eager path on rows that exercise every
-branch and returns None where Triton is missing or the check fails (logged): the caller then keeps eager.
+values 0). `kernel_for(device, dtype, hidden)` checks that once per kernel variant against the eager path on rows that
+exercise every
+branch, per kernel variant, and returns None where Triton is missing (or older than 3.6) or the check fails
+(logged): the caller then keeps eager.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ import math
 import torch
 
 log = logging.getLogger(__name__)
-_CHECKED: dict[torch.device, object] = {}  # device -> quantize, or None (no Triton, or not bit-equal to eager)
+# (device, dtype, hidden) -> quantize, or None (no Triton, or not bit-equal to eager for that kernel variant)
+_CHECKED: dict[tuple[torch.device, torch.dtype, int], object] = {}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel reads (float64 divides in float64 eagerly)
 
 try:
     import triton
     import triton.language as tl
 
-    if not hasattr(tl, "div_rn"):  # (Triton < 3.5) eager then
-        raise ImportError("triton.language.div_rn")
+    # Triton 3.5 compiles div_rn to div.rn.ftz: subnormal steps flush to zero (Triton PR 8557); older ones lack it
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        raise ImportError(f"Triton {triton.__version__} (the store quantization kernel needs 3.6 or newer)")
 
     @triton.jit
     def _level(x, step, QMAX: tl.constexpr):
@@ -109,7 +114,8 @@ try:
         tl.store(scale_row + k, ((bits >> (8 * k)) & 255).to(tl.uint8))  # R's float32 bytes, little-endian
         tl.store(scale_row + 4 + g, tl.where(bad != 0, 0, c).to(tl.uint8), mask=g < n_groups)
 
-except ImportError:  # CPU-only installs: quant.py's eager path
+except Exception as e:  # noqa: BLE001 - no Triton (CPU-only installs), an old or broken one: quant.py's eager path
+    log.debug("no Triton store quantization: %s", e)
     triton = None
 
 
@@ -136,63 +142,70 @@ def quantize(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     return q.view(*lead, n_cols), scale.view(*lead, scale.shape[-1])
 
 
-def kernel_for(device: torch.device):
-    """`quantize` where Triton runs on `device` and gives the eager path's bytes, else None (logged)."""
-    if device in _CHECKED:
-        return _CHECKED[device]
+def kernel_for(device: torch.device, dtype: torch.dtype, hidden: int):
+    """`quantize` where Triton runs on `device` and gives the eager path's bytes for rows of `hidden` channels in
+    `dtype`, else None (logged). Checked once per (device, dtype, hidden): each is its own compiled variant of the
+    kernel (tile size, warps, alignment), so the check runs the variant the rows will."""
+    key = (device, dtype, hidden)
+    if key in _CHECKED:
+        return _CHECKED[key]
     fn = None
-    if triton is not None and device.type == "cuda":
+    if triton is not None and device.type == "cuda" and dtype in DTYPES:
         try:
-            fn = quantize if _agrees(device) else None
+            fn = quantize if _agrees(device, dtype, hidden) else None
             if fn is None:
-                log.warning("the Triton store quantization differs from eager on %s: eager is used", device)
+                log.warning("the Triton store quantization differs from eager on %s (%s, %d channels): eager is used",
+                            device, dtype, hidden)  # fmt: skip
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - a Triton failure to compile or launch: eager gives the same bytes
             log.warning("the Triton store quantization does not run on %s (%s): eager is used", device, e)
-    _CHECKED[device] = fn
+    _CHECKED[key] = fn
     return fn
 
 
-def probe_rows() -> torch.Tensor:
-    """Rows that exercise every branch of the grouped quantization: 60 decades of magnitude, a massive activation,
-    a zero row, a zero group, NaN and infinities, exact ties, quotients that are ties only under exact division,
-    a width that is not a multiple of 32 (a partial last group) nor a power of two."""
+def probe_rows(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of `hidden` channels that exercise every branch of the grouped quantization: 60 decades of magnitude, a
+    massive activation, a zero row, a zero group, NaN and infinities, exact ties, quotients that are ties only
+    under exact division, group maxima at the codes' boundaries, a subnormal row reference R (and in float32
+    subnormal values: Triton's interpreter converts bf16 subnormals wrongly, the GPU does not)."""
     from dflash_pipeline.storage import quant
 
     gen = torch.Generator(device="cpu").manual_seed(2)
-    h = 1000
-    x = torch.randn(70, h, generator=gen) * torch.logspace(-30, 30, 70)[:, None]
-    x[1, 5] *= 3000.0
+    h = hidden
+    x = torch.randn(72, h, generator=gen) * torch.logspace(-30, 30, 72)[:, None]
+    x[1, min(5, h - 1)] *= 3000.0
     x[2] = 0.0
-    x[3, 7], x[4, 9], x[5, 11] = math.nan, math.inf, -math.inf
+    x[3, min(7, h - 1)], x[4, min(9, h - 1)], x[5, h // 2] = math.nan, math.inf, -math.inf
     x[6] = (torch.arange(h) % 24 - 12) * 0.5 * 0.25  # ties (exact in bf16 too): half to even
     x[6, 0] = 3.0  # R = 3 / QMAX: the steps are not powers of two
     x[8, :64] = 0.0
     # groups whose share of the row's max (1) is a step of the table exactly, or one float32 ulp above it: the
     # codes' boundaries, where a log2 estimate is off by one
-    steps = torch.from_numpy(quant.STEPS)
+    steps, cols = torch.from_numpy(quant.STEPS), torch.arange(1, min(quant.groups(h, "int8"), 32))
     for r, nudge in ((10, 0), (11, 1)):
         x[r] = 0.0
         x[r, 0] = 1.0
-        shares = steps[(torch.arange(1, 32) * 8 + r) % 256]
-        x[r, torch.arange(1, 32) * 32] = shares if not nudge else torch.nextafter(shares, torch.tensor(2.0))
+        shares = steps[(cols * 8 + r) % 256]
+        x[r, cols * 32] = shares if not nudge else torch.nextafter(shares, torch.tensor(2.0))
     for r, qmax in ((7, 127.0), (9, 7.0)):  # every group's max is the row's, so every step is R = 12 / qmax
         k = torch.arange(h) % int(2 * qmax) - qmax
         x[r] = (k + 0.5) * (torch.tensor(12.0) / qmax)  # quotients that are ties only under exact division
         x[r, ::32] = 12.0
-    return x
+    # normal values (1e-37 to 2e-37) whose R = max / QMAX falls below float32's normal range
+    x[12] = (1 + torch.rand(h, generator=gen)) * 1e-37 * torch.where(torch.arange(h) % 3 == 0, -1.0, 1.0)
+    if dtype == torch.float32:
+        x[13] = torch.randn(h, generator=gen) * 1e-40  # subnormal values and maxima
+    return x.to(dtype)
 
 
-def _agrees(device: torch.device) -> bool:
+def _agrees(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     from dflash_pipeline.storage import quant
 
-    x = probe_rows()
-    for dtype in (torch.bfloat16, torch.float32):
-        xd = x.to(device, dtype)
-        for precision in quant.GROUPED:
-            q, s = quantize(xd, precision)
-            q_ref, s_ref = quant._quantize_grouped_eager(xd, precision)
-            if not (torch.equal(q, q_ref) and torch.equal(s, s_ref)):
-                return False
+    x = probe_rows(hidden, dtype).to(device)
+    for precision in quant.GROUPED if hidden % 2 == 0 else ("int8",):
+        q, s = quantize(x, precision)
+        q_ref, s_ref = quant._quantize_grouped_eager(x, precision)
+        if not (torch.equal(q, q_ref) and torch.equal(s, s_ref)):
+            return False
     return True

@@ -1,8 +1,9 @@
 """storage/quant_gpu.py's Triton kernel against the eager grouped quantization, run by Triton's interpreter on the
 CPU (TRITON_INTERPRET=1, in a fresh process: the variable must be set before the kernel is defined). The GPU runs
-the same kernel compiled and checks it against eager once per device (quant_gpu.kernel_for); the interpreter runs
-numpy's float32 arithmetic, so this test holds the kernel's logic (codes, ties, non-finite rows, packing, partial
-groups) to eager's bytes, and bench/quant_bench.py its compiled arithmetic on an H200."""
+the same kernel compiled and checks it against eager once per variant (quant_gpu.kernel_for); the interpreter runs
+numpy's float32 arithmetic, so this test holds the kernel's logic (codes, ties, non-finite and subnormal rows,
+packing, partial groups) to eager's bytes; `bash bench/device.sh quant` compares the compiled kernel's bytes with
+eager's on a GPU."""
 
 import os
 import subprocess
@@ -17,7 +18,9 @@ import torch
 from dflash_pipeline.storage import quant, quant_gpu
 
 assert quant_gpu.triton is not None
-assert quant_gpu._agrees(torch.device("cpu")), "probe rows differ from eager"
+# (widths: a partial last group, an odd width (int8 only), the 8B shape's; each dtype the kernel takes)
+for dtype, hidden in [(d, h) for d in quant_gpu.DTYPES for h in (1000, 33)] + [(torch.bfloat16, 4096)]:
+    assert quant_gpu._agrees(torch.device("cpu"), dtype, hidden), ("probe rows differ from eager", dtype, hidden)
 gen = torch.Generator().manual_seed(0)
 for shape in ((5, 3, 4096), (7, 5120), (2, 4, 96), (0, 64)):
     x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
