@@ -16,6 +16,11 @@ $(BIN)/dflash-pipeline: pyproject.toml
 .PHONY: install run test test-load unit lint test-py312
 install: $(BIN)/dflash-pipeline
 
+# Triton (~1 GB, for one unit test: pyproject's kernel-test extra) only where tests run, not for `make run`.
+$(VENV)/.kernel-test: $(BIN)/dflash-pipeline
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test,kernel-test]'
+	touch $@
+
 run: install
 	$(BIN)/dflash-pipeline run --config configs/embedded.yaml $(ARGS)
 
@@ -28,7 +33,7 @@ lint: install
 # handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order: xdist's own puts the modules with the
 # most tests first, the many quick unit modules, and the long e2e ones came last).
 TEST_WORKERS ?= 2
-test: lint
+test: lint $(VENV)/.kernel-test
 	$(BIN)/python -m pytest -q tests -m "not load" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 # 20 flow runs on three Prefect workers against a PostgreSQL-backed server, and the team server's failure cases
@@ -36,8 +41,8 @@ test: lint
 test-load: install
 	$(BIN)/python -m pytest -q tests -m load $(ARGS)
 
-# The fast layer (pure functions, seconds): what to run while working.
-unit: install
+# The fast layer (pure functions, ~1 minute): what to run while working.
+unit: $(VENV)/.kernel-test
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 # Python 3.12 with the newest versions pyproject's ranges allow (zarr 3.4.x there): the storage, prepare and
@@ -50,7 +55,7 @@ $(VENV312)/bin/dflash-pipeline: pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip
 	$(VENV312)/bin/pip install -q "torch==2.13.0"
-	PYTHONWARNINGS="ignore:Editable installation" $(VENV312)/bin/pip install -q -e '.[test]'
+	PYTHONWARNINGS="ignore:Editable installation" $(VENV312)/bin/pip install -q -e '.[test,kernel-test]'
 	touch $@
 
 test-py312: $(VENV312)/bin/dflash-pipeline

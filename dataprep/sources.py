@@ -139,7 +139,10 @@ def iter_rows(source: str, split: str = "train", encoding: str = "auto") -> Iter
         elif suffix == ".arrow":
             yield from _arrow(p)
         else:
-            raise DataError(f"data.source {p} has unsupported suffix {suffix!r}: use .jsonl, .json, .parquet or .arrow")
+            raise DataError(
+                f"data.source {p} has unsupported suffix {suffix!r}: use a file ({', '.join(FILE_SUFFIXES)}) or a "
+                "directory saved with datasets' save_to_disk"
+            )
         return
     if p.is_dir():
         import datasets
@@ -161,9 +164,10 @@ def iter_rows(source: str, split: str = "train", encoding: str = "auto") -> Iter
 def _json_error(e: json.JSONDecodeError, line_no: int | None = None) -> str:
     """Where the JSON breaks, as an editor shows it: a JSONL row's own line and its column in that line (the
     decoder's count would be of the row and its newline: 'line 2, column 1' for a row cut short)."""
+    msg = e.msg.removesuffix(" at")  # "Unterminated string starting at": the position follows as " at line ..."
     if line_no is None:
-        return f"invalid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
-    return f"invalid JSON: {e.msg} at line {line_no}, column {e.pos + 1}"
+        return f"invalid JSON: {msg} at line {e.lineno}, column {e.colno}"
+    return f"invalid JSON: {msg} at line {line_no}, column {e.pos + 1}"
 
 
 def _jsonl(p: Path, codec: str) -> Iterator[tuple[int, Any | BadLine]]:

@@ -25,6 +25,7 @@ import torch
 
 from dflash_pipeline.drafter.batching import block_inputs, block_loss, sample_anchors, segment_bounds, states
 from dflash_pipeline.drafter.checkpoint import (
+    DATA_KEYS,
     finished_run,
     latest_checkpoint,
     load_checkpoint,
@@ -191,24 +192,50 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
     return loss.detach(), {**stats, "queries": work[0], "attn_pairs": work[1]}
 
 
+# The settings that shape a training's course (its learning-rate schedule, what each step samples, the loss):
+# a checkpoint made under others is another training. Resuming it would splice two schedules (train.epochs raised
+# after a finished run: the rate had decayed to its floor, then climbed again) into a drafter no fresh run with these
+# settings makes. The rest (device, workers, checkpoint cadence, attention kernel, compile) can change on a resume.
+SCHEDULE_KEYS = (
+    "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "max_grad_norm", "epochs", "max_steps", "batch_size",
+    "grad_accum", "pack", "anchors_per_sample", "gamma", "distill", "seed",
+)  # fmt: skip
+
+
 def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
-    """The directory's latest checkpoint, if its training read `data` (store, version, target). Another training's
-    (another store version after a nightly run, another store or target) is never resumed into this one: rank 0
-    moves it aside whole (checkpoint.supersede) and this one starts at step 0."""
+    """The directory's latest checkpoint, if its training read `data` (store, version, target) under the same
+    `data["schedule"]` (SCHEDULE_KEYS; checkpoints from before it was recorded are resumed on data alone). Another
+    training's (another store version after a nightly run, another store or target, changed settings) is never
+    resumed into this one: rank 0 moves it aside whole (checkpoint.supersede) and this one starts at step 0."""
     ck = latest_checkpoint(out)
     old = recorded_data(out, ck) if ck is not None else None
     if d.world > 1:
         torch.distributed.barrier()  # every rank has read the records before rank 0 moves anything
-    if old is None or old == data:
+    if old is None:
+        return ck
+    other_data = any(old.get(k) != data[k] for k in DATA_KEYS)
+    changed = {
+        k: (was, data["schedule"][k])
+        for k, was in (old.get("schedule") or {}).items()
+        if k in data["schedule"] and was != data["schedule"][k]
+    }
+    if not other_data and not changed:
         return ck
     if d.rank == 0:
         moved = supersede(out, old)
-        log.warning(
-            "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s and "
-            "training starts at step 0",
-            out, old.get("store"), old.get("store_version"), old.get("target"), data["store"], data["store_version"],
-            moved,
-        )  # fmt: skip
+        if other_data:
+            log.warning(
+                "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s "
+                "and training starts at step 0",
+                out, old.get("store"), old.get("store_version"), old.get("target"), data["store"],
+                data["store_version"], moved,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "%s held a training with other settings (%s): resuming it would splice two trainings into a drafter no "
+                "run with these settings makes, so it was moved to %s and training starts at step 0",
+                out, ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items()), moved,
+            )  # fmt: skip
     if d.world > 1:
         torch.distributed.barrier()
     return None
@@ -239,8 +266,9 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     sj = spec_json(job.spec)
     data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path}
+    schedule = {k: getattr(cfg, k) for k in SCHEDULE_KEYS}
     start, history = 0, []
-    ck = _checkpoint_to_resume(out, data, d)
+    ck = _checkpoint_to_resume(out, {**data, "schedule": schedule}, d)
     if ck is not None:
         state = load_checkpoint(ck, model, opt, sched, sj)
         start, history = int(state["step"]), list(state.get("history", []))
@@ -269,7 +297,7 @@ def train(
                 model,
                 opt,
                 sched,
-                {"spec": sj, "total_steps": total, "history": history, "data": data},
+                {"spec": sj, "total_steps": total, "history": history, "data": {**data, "schedule": schedule}},
                 cfg.keep_checkpoints,
             )
         if d.world > 1:

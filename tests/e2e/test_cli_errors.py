@@ -102,7 +102,7 @@ CASES = {
     "csv data file": (
         lambda t, m: [f"data.source={_write(t / 'data.csv', 'a,b')}"],
         "unsupported suffix '.csv'",
-        "use .jsonl, .json",
+        "use a file (.jsonl, .ndjson, .json, .parquet, .arrow) or a directory saved with datasets' save_to_disk",
     ),
     "json object, not a list": (
         lambda t, m: ["data.source=" + str(_write(t / "d.json", json.dumps({"messages": []})))],

@@ -99,6 +99,14 @@ def test_quarantine_report_and_good_rows_survive(tmp_path, tokenizer):
     assert "at line 2, column 2" in q[2], q[2]
 
 
+def test_a_cut_row_is_named_once_where_it_breaks(tmp_path, tokenizer):
+    """json's "Unterminated string starting at" message is followed by our own " at line ...": one "at"."""
+    src = _write_jsonl(tmp_path / "cut.jsonl", [{"messages": CONV}, '{"messages": [{"role": "user", "content": "hi'])
+    res = prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "out")
+    (reason,) = [x["reason"] for x in load_quarantine(res)]
+    assert reason == "invalid JSON: Unterminated string starting at line 2, column 43", reason
+
+
 def test_nothing_usable_is_a_clear_error(tmp_path, tokenizer):
     src = _write_jsonl(tmp_path / "bad.jsonl", ["nope", {"messages": []}])
     with pytest.raises(DataError, match="no usable samples.*2 rows read, 2 quarantined"):

@@ -342,6 +342,28 @@ def test_a_training_on_other_data_is_moved_aside_not_resumed(work, reference, tm
     assert json.loads((moved / "data.json").read_text())["store_version"] == "v0000"
 
 
+def test_a_training_with_other_settings_is_moved_aside_not_resumed(work, reference, tmp_path, caplog):
+    """A schedule setting changed after a finished run (a fresh-user check raised train.epochs: the rate had decayed
+    to its floor at the old last step, then climbed again) would splice two trainings into a drafter no fresh run
+    with these settings makes. The old training is moved aside, kept, and this run trains from step 0 exactly as a
+    fresh one; the same settings again reuse it."""
+    import shutil
+
+    out = tmp_path / "drafter"
+    shutil.copytree(reference.output_dir, out)
+    cfg = TrainConfig(**{**TRAIN, "max_steps": 12})
+    with caplog.at_level("WARNING", logger="dflash_pipeline.drafter.train"):
+        res = train(cfg, work["store"], work["report"], out)
+    assert f"train.max_steps {STEPS} -> 12" in caplog.text
+    assert res.start_step == 0 and res.steps == 12 and not res.reused
+    fresh = train(cfg, work["store"], work["report"], tmp_path / "fresh")
+    assert [h["loss"] for h in res.history] == [h["loss"] for h in fresh.history]
+    (moved,) = (out / "superseded").iterdir()
+    assert (moved / "export" / "model.safetensors").is_file() and (moved / "checkpoints").is_dir()
+    again = train(cfg, work["store"], work["report"], out)
+    assert again.reused and len(list((out / "superseded").iterdir())) == 1
+
+
 def reference_version(work) -> str:
     from dflash_pipeline.storage.store import Store
 
