@@ -62,8 +62,17 @@ def validation_status(store: Store, version: str) -> str | None:
         changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))
         if changed:
             units = [u for u in changed if u != "-"]
-            what = (["the version record"] if "-" in changed else []) + ([f"units {units}"] if units else [])
-            return f"it changed since it passed validation ({' and '.join(what)} rewritten or extended since)"
+            gone_now = [u for u in units if u not in now]  # discarded by `verify --repair`, or deleted
+            added = [u for u in units if u not in state]
+            rewritten = [u for u in units if u in now and u in state]
+            what = (
+                (["the version record rewritten"] if "-" in changed else [])
+                + ([f"units {rewritten} rewritten or extended"] if rewritten else [])
+                + ([f"units {gone_now} discarded (verify --repair) or deleted: the next extract rebuilds them"]
+                   if gone_now else [])
+                + ([f"units {added} added"] if added else [])
+            )  # fmt: skip
+            return f"it changed since it passed validation ({'; '.join(what)})"
     return None
 
 
