@@ -390,7 +390,11 @@ class Store:
         """A new version holding `source`'s complete units as hard links (no data copied; falls back to a
         copy across filesystems; server-side copies on object storage). Complete units are immutable, so
         sharing their files is safe. Units whose data retention deleted are not shared: their samples are
-        planned (and extracted) again in the new version."""
+        planned (and extracted) again in the new version. A planned unit that is not shared otherwise (discarded
+        by `verify --repair`, damaged, not complete) keeps its plan record in the new version, so the planner
+        rebuilds it there from this run's dataset, or stops naming the samples this run's dataset lacks: a
+        snapshot never drops samples of the version it copies (a damage hunt found the nightly run publishing a
+        version without a discarded unit's samples, which validation, checking this run's dataset, passed)."""
         name = self._new_version_name()
         src_attrs = self.attrs(source)
         gone = retention.retired(retention.read_record(self, source), self.units(source))
@@ -416,7 +420,15 @@ class Store:
             if plan is not None:
                 self.loc.write_atomic(self._plan_rel(name, u), plan)
             self.loc.copy_tree(self._unit_rel(source, u), self._unit_rel(name, u))
-        log.info("snapshot %s -> %s (%d units shared)", source, name, len(self.units(name)))
+        shared = set(self.units(name))
+        for u in self.planned_units(source):
+            if u in shared or u in gone or (plan := self.loc.read_bytes(self._plan_rel(source, u))) is None:
+                continue
+            self.loc.write_atomic(self._plan_rel(name, u), plan)
+            log.warning(
+                "snapshot of %s: unit %s not shared (discarded or damaged): extracted again from its plan", source, u
+            )
+        log.info("snapshot %s -> %s (%d units shared)", source, name, len(shared))
         return name
 
     def prune(self, keep: int) -> list[str]:

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage.reader import HiddenStateDataset
@@ -41,7 +42,7 @@ def test_incremental_run_snapshots_the_published_version(tmp_path, model_dir):
 def test_a_snapshot_does_not_share_a_unit_whose_commit_record_is_malformed(tmp_path, model_dir):
     """Found by a review: a commit record with an edited type in the published version stopped the nightly run's
     snapshot halfway (a version without units, then every sample extracted again). The snapshot shares every other
-    unit and plans that unit's samples again."""
+    unit and extracts that one again from its plan record, under its own name."""
     extract_local(tmp_path, {**BASE, "data.max_samples": 30}, validate=True)
     store = Store(tmp_path / "store")
     units = store.units("v0001")
@@ -51,8 +52,31 @@ def test_a_snapshot_does_not_share_a_unit_whose_commit_record_is_malformed(tmp_p
     second = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
     assert second.plan.version == "v0002"
     redone = store.unit_attrs("v0001", units[0])["n_tokens"]
-    assert second.result.tokens == sum(u.n_tokens for u in second.plan.new_units)  # the new samples and that unit's
-    assert second.result.tokens > redone and len(HiddenStateDataset(store.url, "v0002", unvalidated="warn")) == 40
+    assert second.plan.repaired_units == [units[0]] and second.plan.new_samples == 10
+    assert second.result.tokens == redone + sum(u.n_tokens for u in second.plan.new_units)  # that unit, the new ones
+    assert len(HiddenStateDataset(store.url, "v0002", unvalidated="warn")) == 40
+
+
+def test_a_snapshot_keeps_the_samples_of_a_unit_repair_discarded(tmp_path, model_dir):
+    """Found by a damage hunt: after `verify --repair` discarded a damaged unit of the published version, an
+    incremental run whose dataset lacked that unit's samples published a snapshot without them (validation checks
+    this run's dataset only). The snapshot keeps the unit's plan record: the run stops naming the samples its
+    dataset lacks, and one whose dataset has them extracts the unit again, bit for bit."""
+    extract_local(tmp_path, {**BASE, "data.max_samples": 30}, validate=True)
+    store = Store(tmp_path / "store")
+    last = store.units("v0001")[-1]  # the last rows of the prepared order
+    before = HiddenStateDataset(store.url, "v0001")
+    want = {before.samples[i].sample_id: before[i]["hidden"] for i in range(len(before))}
+    shutil.move(tmp_path / "store/v0001/units" / last, tmp_path / "discarded")  # as verify --repair discards it
+    with pytest.raises(StoreError, match=r"samples that are not in this run's prepared dataset"):
+        extract_local(tmp_path, {**BASE, "data.max_samples": 10})
+    assert store.current() == "v0001"
+    again = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
+    assert again.plan.version == "v0002" and last in again.plan.repaired_units and again.plan.new_samples == 10
+    ds = HiddenStateDataset(store.url, "v0002", unvalidated="warn")
+    assert len(ds) == 40
+    got = {ds.samples[i].sample_id: ds[i]["hidden"] for i in range(len(ds))}
+    assert all(torch.equal(got[sid], h) for sid, h in want.items())
 
 
 def test_prune_keeps_newest_and_current(tmp_path, model_dir):
