@@ -4,6 +4,7 @@ the repair, when and why, instead of calling the unit's directory missing). docs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -60,6 +61,30 @@ def refuse_while_read(store: Store, version: str, units: list[str], then: str) -
         )
 
 
+def empty_trash(store: Store, version: str) -> None:
+    """Delete what an earlier discard left in `<version>/.discarded/` (a repair killed while deleting a unit it had
+    moved there, or files it could not delete then). Those units are out of the store already and never read, so
+    their files only take space; one that still cannot be deleted is logged and left. Local stores only (object
+    storage deletes in place)."""
+    if not isinstance(store.loc, LocalLocation):
+        return
+    trash = Path(store.loc.url_of(f"{version}/{TRASH}"))
+    if not trash.is_dir():
+        return
+    for entry in sorted(trash.iterdir()):
+        errors: list[str] = []
+        if entry.is_symlink() or not entry.is_dir():
+            entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(entry, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
+        if errors:
+            log.warning("could not delete %s, left by an earlier discard (%s): delete it by hand", entry, errors[0])
+        else:
+            log.info("deleted %s, left by an interrupted discard (its unit was out of the store already)", entry)
+    with contextlib.suppress(OSError):
+        trash.rmdir()  # empty now (else what could not be deleted stays, logged above)
+
+
 def discard_units(store: Store, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
     """Delete these units' directories, keeping their plan records: the next extraction of this version creates
     them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from `verify
@@ -70,6 +95,7 @@ def discard_units(store: Store, version: str, units: list[str], why: dict[str, s
     file, the error, what state the unit is in). Nothing is discarded while another process reads the version
     (`refuse_while_read`)."""
     refuse_while_read(store, version, units, "run `dflash-pipeline verify --repair` again")
+    empty_trash(store, version)
     for u in units:
         rel = f"{version}/units/{u}"
         log.debug("discarding unit %s", store.loc.url_of(rel))

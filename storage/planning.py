@@ -40,6 +40,7 @@ def plan_units(
     """
     attrs = store.attrs(version)
     retention.restore_for_extraction(store, version)  # units whose data retention deleted: planned again
+    discard.empty_trash(store, version)  # what a killed `verify --repair` left half-deleted
     for u in store.units(version):
         if not _half_planned(store, version, u):
             continue

@@ -240,6 +240,23 @@ def test_a_half_planned_unit_is_planned_again(small_store, original, tmp_path):
     assert_same_store(before, snapshot(Store(root), version))
 
 
+def test_what_a_killed_repair_left_in_the_trash_is_deleted_by_the_next_run(small_store, original, tmp_path, caplog):
+    """A repair killed while deleting a unit it had moved to .discarded/ left the half-deleted directory there for
+    good (a damage hunt: never reported, never removed). The next run (or repair) deletes it; the data are intact."""
+    before, _ = original
+    root, version = _copy(small_store, tmp_path)
+    unit = root / version / "units" / "u00001"
+    left = root / version / ".discarded" / "u00001.1733380000000000000"
+    shutil.copytree(unit, left)  # what the killed repair had moved out of the store and not yet deleted
+    next(p for p in left.rglob("*") if p.is_file()).unlink()  # partly deleted
+    shutil.rmtree(unit)
+    with caplog.at_level("INFO", logger="dflash_pipeline.storage.discard"):
+        runner = _run(tmp_path)
+    assert runner.results["validate"].ok and not (root / version / ".discarded").exists()
+    assert "left by an interrupted discard" in caplog.text
+    assert_same_store(before, snapshot(Store(root), version))
+
+
 def test_repair_takes_the_store_lock_and_survives_a_damaged_discard_record(small_store, original, tmp_path, capsys):
     """Found by a damage check: `verify --repair` discarded a unit a running extraction was rebuilding (it took no
     lock), and a discarded.json replaced by a directory made verify and every rerun fail with a traceback."""
