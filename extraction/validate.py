@@ -407,7 +407,12 @@ def _recompute(store, version, attrs, where, cfg, model, device, report) -> None
                 {"sample_id": sid, "tokens": length, "max_rel_err": max(errs), "tolerance": tols[j]}
             )
             if errs[j] > tols[j] and worst is None:
-                worst = f"sample {sid} layer {names[j]}: relative error {errs[j]:.3g} > {tols[j]:.3g}"
+                worst = (
+                    f"sample {sid} (unit {u}) layer {names[j]}: relative error {errs[j]:.3g} > {tols[j]:.3g}: the "
+                    f"stored states differ from the target's forward (another target or forward than the one that "
+                    f"wrote them, or data changed in place: delete the unit's directory {u} and rerun extract to "
+                    "recompute it)"
+                )
     finally:
         handle.remove()
     within = f"within {tol:.0e}" + ("" if precision == "full" else f" + the {precision} quantization bound")

@@ -105,6 +105,8 @@ def test_wrong_states_fail_the_recompute(small_store, copy, model):
     _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy, model, n=len(samples) + 20)
     assert any("equal a fresh batch-1 forward" in f and "relative error" in f for f in r.failures), r.failures
+    # the unit is named, with the way out (a damage hunt found only sample and layer, and verify calling it healthy)
+    assert any(f"(unit {u}) layer" in f and f"delete the unit's directory {u}" in f for f in r.failures), r.failures
 
 
 def test_missing_commit_and_wrong_input_ids_and_mask(small_store, copy):
