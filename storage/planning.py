@@ -41,6 +41,9 @@ def plan_units(
     attrs = store.attrs(version)
     retention.restore_for_extraction(store, version)  # units whose data retention deleted: planned again
     discard.empty_trash(store, version)  # what a killed `verify --repair` left half-deleted
+    if not store.loc.exists(f"{version}/units/zarr.json"):  # readers using plain zarr list units through it
+        store.loc.open_group(f"{version}/units", mode="a")
+        log.warning("store version %s: restored units/zarr.json (the units group's metadata was missing)", version)
     for u in store.units(version):
         if not _half_planned(store, version, u):
             continue

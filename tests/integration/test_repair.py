@@ -257,6 +257,20 @@ def test_what_a_killed_repair_left_in_the_trash_is_deleted_by_the_next_run(small
     assert_same_store(before, snapshot(Store(root), version))
 
 
+def test_a_deleted_units_group_metadata_is_restored_by_the_rerun(small_store, original, tmp_path):
+    """<version>/units/zarr.json deleted: the package reads on (it lists directories), but plain zarr, as
+    docs/STORE.md reads a store, no longer sees the units (a damage hunt); the rerun writes it again."""
+    import zarr
+
+    before, _ = original
+    root, version = _copy(small_store, tmp_path)
+    (root / version / "units" / "zarr.json").unlink()
+    assert _run(tmp_path).results["validate"].ok
+    units = sorted(name for name, _ in zarr.open_group(str(root / version), mode="r")["units"].groups())
+    assert units == Store(root).units(version)
+    assert_same_store(before, snapshot(Store(root), version))
+
+
 def test_repair_takes_the_store_lock_and_survives_a_damaged_discard_record(small_store, original, tmp_path, capsys):
     """Found by a damage check: `verify --repair` discarded a unit a running extraction was rebuilding (it took no
     lock), and a discarded.json replaced by a directory made verify and every rerun fail with a traceback."""
