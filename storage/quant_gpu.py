@@ -11,10 +11,9 @@ Its bytes are the eager path's: divisions with `div_rn` (IEEE round to nearest: 
 CUDA eager and the CPU divide exactly), rounding half to even with float32 adds (as torch.round), each group's code
 found from an estimate (-16 log2 of its share of the row's max) corrected against the same float32 table of steps
 (quant.STEPS) that eager's searchsorted reads, and a non-finite row stored as eager stores it (R = NaN, codes 0,
-values 0). `kernel_for(device, dtype, hidden)` checks that once per kernel variant against the eager path on rows that
-exercise every
-branch, per kernel variant, and returns None where Triton is missing (or older than 3.6) or the check fails
-(logged): the caller then keeps eager.
+values 0). `kernel_for(device, dtype, hidden)` checks that once per kernel variant against the eager path on rows
+that exercise every branch (`probe_rows`), and returns None where Triton is missing (or older than 3.6) or the
+check fails (logged): the caller then keeps eager.
 """
 
 from __future__ import annotations
