@@ -183,10 +183,11 @@ def test_a_rerun_of_a_finished_run_trains_exports_and_evaluates_nothing(run, tmp
     metrics = json.loads(Path(t.metrics_path).read_text())
     assert metrics["steps"] == t.steps and metrics["tokens_per_s"] == run["trained"].tokens_per_s > 0
 
-    # another training setting: the checkpoint at the last step is kept (no step trained), the export is redone
-    # with the provenance of this run (a drafter directory of its own: the module's stays as it is)
+    # another setting that does not shape the training (a schedule setting trains again from step 0:
+    # tests/integration/test_drafter_pipeline.py): the checkpoint at the last step is kept (no step trained), the
+    # export is redone with the provenance of this run (a drafter directory of its own: the module's stays as it is)
     copy = tmp_path / "drafter"
     shutil.copytree(cfg.drafter_dir, copy, ignore=shutil.ignore_patterns(".lock"))
-    changed = train(cfg.train.model_copy(update={"lr": 1e-3}), cfg.store, run["report"], copy)
+    changed = train(cfg.train.model_copy(update={"keep_checkpoints": 3}), cfg.store, run["report"], copy)
     assert not changed.reused and changed.start_step == changed.steps == t.steps
-    assert json.loads((copy / "export" / META).read_text())["train_config"]["lr"] == 1e-3
+    assert json.loads((copy / "export" / META).read_text())["train_config"]["keep_checkpoints"] == 3
