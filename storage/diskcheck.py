@@ -6,13 +6,13 @@ written before gave 0.97 (bench/RESULTS.md). `measure_write_bandwidth` writes a 
 the way the disk sees shards (large sequential writes, bypassing the page cache where it can), and `advise`
 compares what each precision would produce with it.
 
-A few GB measure a disk's burst rate, not what it sustains over tens of GB. The GPU machine's fresh disk measured
-2,412 MB/s over 4 GiB and the 8B pipeline producing 1.27 GB/s of bf16 store ran GPU-bound for a 34 GB store
-(session 21, writer wait 0.1 s) but not for a 56 GB one: the 6.5 s that run lost say the disk took ~0.93 GB/s past
-~34 GB, ~0.39 of its burst (SUSTAINED 0.35 holds if the burst ended as late as ~40 GB), and the run's (b)/(a) fell
-to 0.873 (session 22, bench/RESULTS.md). So the advice trusts HEADROOM of the
-measured rate for the first BURST_BYTES of the store (or what the test wrote, if more) and SUSTAINED of it beyond:
-a run stays GPU-bound while it produces at most what each part allows.
+A few GB measure a disk's burst rate, not what it sustains over tens of GB. The GPU machines' fresh disks measured
+2,412-2,538 MB/s over 4 GiB, and the 8B pipeline producing ~1.27 GB/s of bf16 store ran GPU-bound for a 34 GB store
+(session 21, writer wait 0.1 s) but not for a 56 GB one (session 22, (b)/(a) 0.873): the 6.5 s that run lost say the
+disk took ~0.93 GB/s past ~34 GB, ~0.39 of its burst (SUSTAINED 0.35 holds if the burst ended as late as ~40 GB;
+bench/RESULTS.md). So the advice trusts HEADROOM of the measured rate for the first BURST_BYTES of the store (or
+what the test wrote, if more) and SUSTAINED of it beyond: a run stays GPU-bound while it produces at most what
+each part allows.
 """
 
 from __future__ import annotations
