@@ -132,7 +132,7 @@ class StoreEstimate:
             if self.extract_gpu_hours is not None
             else "not estimated"
         )
-        free = f"{self.free_bytes / gib:,.2f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
+        free = f"{self.free_bytes / gib:,.3f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
         room = (
             f"{'fits' if self.fits else 'DOES NOT FIT'}: "
             + (f"needs {self.needed_bytes / gib:,.3f} GiB" if self.needed_bytes else "nothing left to write")

@@ -102,3 +102,14 @@ def test_the_prepare_line_says_why_rows_were_dropped_or_quarantined():
     )
     r.dropped, r.quarantined = {}, 0
     assert progress.said_prepare(r) == "256 samples, 19,525 tokens of 1,330 rows"
+
+
+def test_a_resumed_training_says_its_first_loss_is_step_1s():
+    """A fresh-user check read "steps 65 -> 600, loss 7.284 -> 0.348" as the loss at step 65."""
+    from types import SimpleNamespace
+
+    r = SimpleNamespace(reused=False, start_step=65, steps=600, total_steps=600, first_loss=7.2841, final_loss=0.348,
+                        tokens_per_s=1234.0, interrupted=False)  # fmt: skip
+    assert progress.said_train(r) == "steps 65 -> 600 of 600, loss 7.284 (step 1) -> 0.348, 1,234 tokens/s"
+    fresh = SimpleNamespace(**{**vars(r), "start_step": 0})
+    assert progress.said_train(fresh) == "steps 0 -> 600 of 600, loss 7.284 -> 0.348, 1,234 tokens/s"
