@@ -61,6 +61,13 @@ def refuse_while_read(store: Store, version: str, units: list[str], then: str) -
         )
 
 
+def _rmtree(path: Path) -> list[str]:
+    """Delete a directory tree as far as possible; 'file (error)' for each file that could not be deleted."""
+    errors: list[str] = []
+    shutil.rmtree(path, onerror=lambda _fn, p, exc: errors.append(f"{p} ({exc[1]!r})"))
+    return errors
+
+
 def empty_trash(store: Store, version: str) -> None:
     """Delete what an earlier discard left in `<version>/.discarded/` (a repair killed while deleting a unit it had
     moved there, or files it could not delete then). Those units are out of the store already and never read, so
@@ -72,12 +79,9 @@ def empty_trash(store: Store, version: str) -> None:
     if not trash.is_dir():
         return
     for entry in sorted(trash.iterdir()):
-        errors: list[str] = []
         if entry.is_symlink() or not entry.is_dir():
             entry.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(entry, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
-        if errors:
+        if errors := ([] if not entry.exists() else _rmtree(entry)):
             log.warning("could not delete %s, left by an earlier discard (%s): delete it by hand", entry, errors[0])
         else:
             log.info("deleted %s, left by an interrupted discard (its unit was out of the store already)", entry)
@@ -128,8 +132,7 @@ def discard_units(store: Store, version: str, units: list[str], why: dict[str, s
         if dst.is_symlink():  # a unit linked from another disk: the link goes, never what it points to
             dst.unlink()
             continue
-        errors: list[str] = []
-        shutil.rmtree(dst, onerror=lambda _fn, path, exc, errors=errors: errors.append(f"{path} ({exc[1]!r})"))
+        errors = _rmtree(dst)
         if errors:
             raise StoreError(
                 f"unit {u} was discarded (moved out of the store to {dst}, so a rerun of extract rebuilds it from "
