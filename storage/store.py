@@ -28,6 +28,7 @@ from dflash_pipeline.storage.layout import (
     VERSION_RECORD,
     commit_record_problem,
 )
+from dflash_pipeline.storage.leases import now_utc
 from dflash_pipeline.storage.location import Location, open_location
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,6 @@ class _Busy(Exception):
     def __init__(self, holder: str) -> None:
         super().__init__(holder)
         self.holder = holder
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class StoreBusy(StoreError):
@@ -181,7 +178,9 @@ class Store:
                     f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
                     "its new rows to this store, or use another store_path"
                 )
-            target = self._snapshot(v) if v == self.current() else v
+            from dflash_pipeline.storage.snapshot import snapshot  # (it uses this module)
+
+            target = snapshot(self, v) if v == self.current() else v
             g = self.open_version(target, mode="r+")
             g.attrs["dataset_fingerprints"] = list(g.attrs["dataset_fingerprints"]) + [dataset_fp]
             return target
@@ -199,9 +198,9 @@ class Store:
                 "Refusing to mix them. Set extract.new_version=true to start a new store "
                 "version beside it, or use another store_path"
             )
-        name = self._new_version_name()
+        name = self.new_version_name()
         g = self.loc.open_group(name, mode="w-")
-        g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "created": _now()})
+        g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "created": now_utc()})
         g.create_group("units")
         self._write_version_record(name)
         log.info("created store version %s", self.loc.url_of(name))
@@ -382,54 +381,9 @@ class Store:
             f"version in {precision} beside it, or use another store_path"
         )
 
-    def _new_version_name(self) -> str:
+    def new_version_name(self) -> str:
         versions = self.versions()
         return f"v{int(versions[-1][1:]) + 1:04d}" if versions else "v0001"
-
-    def _snapshot(self, source: str) -> str:
-        """A new version holding `source`'s complete units as hard links (no data copied; falls back to a
-        copy across filesystems; server-side copies on object storage). Complete units are immutable, so
-        sharing their files is safe. Units whose data retention deleted are not shared: their samples are
-        planned (and extracted) again in the new version. A planned unit that is not shared otherwise (discarded
-        by `verify --repair`, damaged, not complete) keeps its plan record in the new version, so the planner
-        rebuilds it there from this run's dataset, or stops naming the samples this run's dataset lacks: a
-        snapshot never drops samples of the version it copies (a damage hunt found the nightly run publishing a
-        version without a discarded unit's samples, which validation, checking this run's dataset, passed)."""
-        name = self._new_version_name()
-        src_attrs = self.attrs(source)
-        gone = retention.retired(retention.read_record(self, source), self.units(source))
-        if gone:
-            log.warning(
-                "snapshot of %s: %d units' data were deleted by retention; their samples are extracted again",
-                source,
-                len(gone),
-            )
-        g = self.loc.open_group(name, mode="w-")
-        g.attrs.update({**src_attrs, "created": _now(), "snapshot_of": source})
-        g.create_group("units")
-        self._write_version_record(name)
-        for u in self.units(source):
-            try:
-                complete = self.commit_record(source, u).get("complete")
-            except StoreError as e:  # not shared: its samples are planned again in the snapshot
-                log.warning("snapshot of %s: unit %s not shared (%s)", source, u, e)
-                continue
-            if u in gone or not complete:
-                continue
-            plan = self.loc.read_bytes(self._plan_rel(source, u))
-            if plan is not None:
-                self.loc.write_atomic(self._plan_rel(name, u), plan)
-            self.loc.copy_tree(self._unit_rel(source, u), self._unit_rel(name, u))
-        shared = set(self.units(name))
-        for u in self.planned_units(source):
-            if u in shared or u in gone or (plan := self.loc.read_bytes(self._plan_rel(source, u))) is None:
-                continue
-            self.loc.write_atomic(self._plan_rel(name, u), plan)
-            log.warning(
-                "snapshot of %s: unit %s not shared (discarded or damaged): extracted again from its plan", source, u
-            )
-        log.info("snapshot %s -> %s (%d units shared)", source, name, len(shared))
-        return name
 
     def prune(self, keep: int) -> list[str]:
         """Delete all but the newest `keep` versions; never CURRENT, never a version another process reads (holds
@@ -456,7 +410,9 @@ class Store:
         for, up to `wait_for_brief_s`, so that a nightly run does not fail because a training run was deleting
         the units its checkpoint had covered at that moment."""
         self.check_writable()
-        holder = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}" + (f", {brief} {BRIEF}" if brief else "")
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {now_utc()}" + (
+            f", {brief} {BRIEF}" if brief else ""
+        )
         deadline, waited, held = time.monotonic() + wait_for_brief_s, False, ExitStack()
         while True:
             try:

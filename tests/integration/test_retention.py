@@ -25,6 +25,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage import leases, retention
 from dflash_pipeline.storage.reader import HiddenStateDataset
+from dflash_pipeline.storage.snapshot import snapshot as new_snapshot
 from dflash_pipeline.storage.store import Store
 from tests.helpers import assert_same_store, config, extract_local, snapshot
 
@@ -303,7 +304,7 @@ def test_deleted_units_by_the_documented_rule_and_a_nightly_snapshot(source, tmp
             seen[sid] = unit["hidden"][start : start + length]
     assert seen.keys() == want.keys() and all(np.array_equal(seen[k], want[k]) for k in want)
 
-    new = store._snapshot(version)  # what a nightly run does to add new rows beside CURRENT
+    new = new_snapshot(store, version)  # what a nightly run does to add new rows beside CURRENT
     assert store.units(new) == units[3:]
     assert retention.read_record(store, new) == {}
 
