@@ -86,10 +86,10 @@ for step in "$@"; do
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
     # Issue 29: the 8B pipeline with the precision the disk check recommends (on a fresh disk: run it first), then
-    # the other precisions on the same (by then written) disk
+    # the other precisions on the same (by then written) disk (INT4_VARIANTS; INT4_VARIANTS= for none)
     extract-int4) python3 extract_bench.py --shapes 8b --tokens "${INT4_TOKENS:-1000000}" --no-save --skip-naive \
                     --writer-gib 0 --disk-check-mib 4096 --store-precision recommend \
-                    --b-variants "${INT4_VARIANTS:-store_precision=int4;store_precision=fp8;store_precision=full}" \
+                    --b-variants "${INT4_VARIANTS-store_precision=int4;store_precision=fp8;store_precision=full}" \
                     --out "$OUT/int4" 2>&1 | tee "$OUT/int4_log.txt" ;;
     quant) python3 quant_bench.py --out "$OUT" 2>&1 | tee "$OUT/quant_log.txt" ;;
     # Issue 31: the same random-weight shape as bf16, then quantized to block-wise FP8 in memory (FP8_SHAPES)

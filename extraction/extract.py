@@ -362,6 +362,12 @@ def _extract(
     # The shard buffers (pinned: page-locking ~2 GiB takes about a second) are made while the model loads.
     prefill = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="shard-buffers"))
     buffers_made = prefill.submit(writer_for(todo[0]).reserve_buffers)
+    precision = quant.scheme(store.attrs(version))  # the version's own scheme (its arrays were planned for it)
+    if gpus:  # and the quantization kernel's compile and check (storage/quant.py)
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        kernel_checked = prefill.submit(
+            quant.prepare, cuda, getattr(torch, report.compute_dtype), report.hidden_size, precision
+        )
     model, mode, compiled = load_compiled(report, device, cfg.compile)
     if compiled:
         log.info(
@@ -376,9 +382,11 @@ def _extract(
         first,
         pad_id,
         DTYPES[store_dtype][1],
-        quant.scheme(store.attrs(version)),  # the version's own scheme (its arrays were planned for it)
+        precision,
     )
     buffers_made.result()  # re-raises, e.g. too little shared memory
+    if gpus:
+        kernel_checked.result()
     for g in gpus:
         torch.cuda.reset_peak_memory_stats(g)
     total = sum(

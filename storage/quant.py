@@ -195,6 +195,14 @@ def _quantize_grouped(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, to
     return (fused or _quantize_grouped_eager)(x, precision)
 
 
+def prepare(device: torch.device, dtype: torch.dtype, hidden: int, precision: str) -> None:
+    """The GPU kernel of a grouped precision compiled and checked ahead of the first rows of `hidden` channels in
+    `dtype` (a second or so; more with a cold Triton cache): the extraction worker does it while the model loads,
+    so that its first batch does not wait for it. `device` with its index (cuda:N)."""
+    if precision in GROUPED and device.type == "cuda":
+        quant_gpu.kernel_for(device, dtype, hidden)
+
+
 def _quantize_grouped_eager(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped quantization in torch (the reference of storage/quant_gpu.py's kernel): the group maxima in one
     pass over x as it is (a max is exact in any dtype), one division computed in float32 from x's own values (no
