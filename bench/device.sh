@@ -16,7 +16,9 @@
 # fp8 (issue 31: extraction from the target in bf16, then the same weights in block-wise FP8; FP8_SHAPES, FP8_TOKENS,
 # FP8_TARGETS, FP8_PROFILE=N profiles N batches of (a), FP8_ARGS more extract_bench.py options),
 # fp8-equality (issue 31: the FP8 states per layer against the emulation, transformers' dequantized forward, bf16),
-# train-precision (issue 29: training from a store of each TRAIN_PRECISIONS, default full and int4), train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
+# train-precision (issue 29: training from a store of each TRAIN_PRECISIONS, default full and int4), flex (issue 30:
+# the drafter's attention, forward + backward, per FlexAttention tile setting and query-group count; bench/flex_tune.py),
+# train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
 # With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
@@ -103,6 +105,7 @@ for step in "$@"; do
     # and the bf16 source model (bench/fp8_equality.py; FP8_SHAPES)
     fp8-equality) for s in ${FP8_SHAPES:-27b}; do python3 fp8_equality.py --shape "$s" --out "$OUT" 2>&1 \
                     | tee "$OUT/fp8_equality_${s}_log.txt"; done ;;
+    flex) python3 flex_tune.py --out "$OUT/flex" 2>&1 | tee "$OUT/flex_log.txt" ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
     # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
     realtext-target) python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-6}" \

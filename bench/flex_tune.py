@@ -5,10 +5,10 @@
 
 The drafter's attention (drafter/flex.py): per row, 512 blocks of 16 queries, each seeing the context before its
 anchor and its own block; keys = context + all blocks. Each configuration is a BlockMask block size (query, key)
-and torch FlexKernelOptions; all are checked against the default's output and gradients, then timed (CUDA
-events, median of --iters forward+backward). Useful FLOPs: 4 * heads * head_dim * visible pairs forward, 2.5x
-that backward. Writes flex_tune.json, and the fastest exact configuration as flex_best.json (what train_bench's
-`flex=PATH` variant loads).
+and torch FlexKernelOptions, or the default's tiles over query groups (train.attention_groups); all are checked
+against the default's output and gradients, then timed (CUDA events, median of --iters forward+backward). Useful
+FLOPs: 4 * heads * head_dim * visible pairs forward, 2.5x that backward. Writes flex_tune.json, and the fastest
+exact tile configuration as flex_best.json (what train_bench's `flex=PATH` variant loads).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ CONFIGS = [
     ("bwd-w4-s2", (128, 128), {"bwd_num_warps": 4, "bwd_num_stages": 2}),
     ("no-write-dq", (128, 128), {"WRITE_DQ": False}),
 ]
+# train.attention_groups (drafter/flex.py QueryGroups), with the default tiles: reported beside the tiles, chosen in
+# training (train_bench.py's attention_groups=N variants), not written to flex_best.json
+GROUPS = (2, 4, 8, 16)
 
 
 def inputs(shape: str, ctx_len: int, anchors: int, block: int, device: str, seed: int = 0):
@@ -60,15 +63,16 @@ def inputs(shape: str, ctx_len: int, anchors: int, block: int, device: str, seed
     return a.to(device), q, k, v, do, pairs, nh, d
 
 
-def run_config(mask_block, options, a, q, k, v, do, block, iters, device):
+def run_config(mask_block, options, a, q, k, v, do, block, iters, device, groups=1):
     flex.MASK_BLOCK, flex.KERNEL_OPTIONS = mask_block, options
-    mask = flex.block_sparse_mask(a, None, k.shape[2] - q.shape[2], block)
+    mask = flex.block_sparse_mask(a, None, k.shape[2] - q.shape[2], block, groups=groups)
     qs, ks, vs = (x.detach().clone().requires_grad_(device != "cpu") for x in (q, k, v))
+    attend = flex.grouped_attention if groups > 1 else flex.flex_attention
 
     def once():
         for x in (qs, ks, vs):
             x.grad = None
-        out = flex.flex_attention(qs, ks, vs, mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = attend(qs, ks, vs, mask, enable_gqa=q.shape[1] != k.shape[1])
         if device != "cpu":  # (no FlexAttention backward on CPU: the smoke times the forward)
             out.backward(do)
         return out
@@ -116,10 +120,11 @@ def main() -> int:
             a, q, k, v, do, pairs, nh, d = inputs(shape, ctx_len, args.anchors, args.block, device)
             flops = 4 * nh * d * pairs * 3.5  # forward + 2.5x backward
             ref = None
-            for name, mb, opts in CONFIGS:
+            grouped = [(f"groups-{n}", (128, 128), {}, n) for n in GROUPS]
+            for name, mb, opts, groups in [(*c, 1) for c in CONFIGS] + grouped:
                 row = {"shape": shape, "ctx": ctx_len, "config": name, "mask_block": mb, "options": opts}
                 try:
-                    ms, res = run_config(mb, opts, a, q, k, v, do, args.block, args.iters, device)
+                    ms, res = run_config(mb, opts, a, q, k, v, do, args.block, args.iters, device, groups)
                 except Exception as e:  # noqa: BLE001 - a configuration the kernel rejects is a result, not a failure
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"{shape} ctx {ctx_len} {name}: {row['error']}", flush=True)
@@ -138,7 +143,7 @@ def main() -> int:
     # the fastest configuration over every shape and context (sum of times), among those exact to the default's
     ok = {}
     for r in rows:
-        if "ms" in r and r["max_rel_err"] < 2e-2:
+        if "ms" in r and r["max_rel_err"] < 2e-2 and not r["config"].startswith("groups-"):
             ok.setdefault(r["config"], []).append(r["ms"])
     if not ok:
         print("no configuration ran: see the errors above", file=sys.stderr)

@@ -78,6 +78,14 @@ class TrainConfig(Section):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="'flex' builds block-sparse masks (CUDA); 'auto' = flex on CUDA when available, else sdpa."
     )
+    attention_groups: int = Field(
+        1,
+        ge=1,
+        description="Flex attention only: a row's draft blocks in this many groups, each computed with its own copy "
+        "of the context keys. Flex attention's backward loops over every query tile that sees a context key tile in "
+        "one program, so with ~512 blocks that loop, not the work, sets its time; groups split it (same result up to "
+        "the order of a sum). 1 = off.",
+    )
     compile: Literal["auto", "off", "pointwise"] = Field(
         "auto",
         description="torch.compile of the draft layers' element-wise parts (norms, rotary, MLP gate), with dynamic "

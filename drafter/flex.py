@@ -9,8 +9,10 @@ skips the masked tiles instead of computing and discarding them. Same visibility
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # The tiles: the BlockMask's block size (query, key) and the kernels' options (torch's FlexKernelOptions). torch's
 # defaults (128 x 128, autotuned kernels) are sized for long causal masks; a draft block is 16 queries that see a
@@ -46,12 +48,62 @@ def block_sparse_mask(
     block_size: int,
     window: int | None = None,
     first: torch.Tensor | None = None,
+    groups: int = 1,
 ):
+    """The BlockMask of `drafter.model.block_mask`'s rules; with groups > 1 a `QueryGroups` (see there)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    pad = 0
+    if groups > 1:
+        b, n = anchors.shape
+        pad = -n % groups  # dropped blocks (keep False: they see only themselves) up to a multiple of groups
+        keep = keep if keep is not None else torch.ones_like(anchors, dtype=torch.bool)
+        anchors, keep = F.pad(anchors, (0, pad)), F.pad(keep, (0, pad), value=False)
+        first = F.pad(first, (0, pad)) if first is not None else None
+        anchors, keep = anchors.reshape(b * groups, -1), keep.reshape(b * groups, -1)
+        first = first.reshape(b * groups, -1) if first is not None else None
     b, q_len = anchors.shape[0], anchors.shape[1] * block_size
     mask_mod = visibility(anchors, keep, ctx_len, block_size, window, first)
-    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)
+    mask = create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)
+    return QueryGroups(mask, groups, pad * block_size, ctx_len) if groups > 1 else mask
+
+
+@dataclass(frozen=True)
+class QueryGroups:
+    """A row's draft blocks split into `groups` consecutive groups laid along the batch axis, each group's queries
+    with the context keys and their own blocks' keys (`mask`: the BlockMask of that layout).
+
+    Why: flex attention's backward computes a key tile's gradient in one program per (key tile, KV head), looping
+    over every query tile that sees it (torch's `flex_attention_backward_grid`). A context tile near the start of a
+    row is seen by all 512 blocks' queries: 64 query tiles x 4 query heads per KV head = 256 iterations in one
+    program, while the other programs finish in a few. That serial loop, not the work, sets the time (bench/RESULTS.md
+    session 15: 4.5 ms at 900 context keys and 4.6 ms at 2048). With G groups each context tile has G programs of
+    1/G of the loop, and autograd sums their gradients: the same result up to the order of that sum."""
+
+    mask: object  # torch.nn.attention.flex_attention.BlockMask
+    groups: int
+    pad: int  # query rows added at the end of a row (blocks up to a multiple of groups)
+    ctx_len: int
+
+
+def grouped_attention(q, k, v, g: QueryGroups, enable_gqa: bool = False, attend=None):
+    """`attend(q, k, v, block_mask, enable_gqa)` (default: flex_attention) over the layout of `g`; q [B, H, Q, D]
+    (a row's blocks' queries), k / v [B, Hkv, ctx_len + Q, D] (context keys, then the blocks'): out [B, H, Q, D]."""
+    attend = attend or flex_attention
+    b, _, q_len, _ = q.shape
+    n, c = g.groups, g.ctx_len
+
+    def split(t):  # [B, h, n * m, D] -> [B * n, h, m, D]
+        t = F.pad(t, (0, 0, 0, g.pad)) if g.pad else t
+        return t.unflatten(2, (n, -1)).transpose(1, 2).flatten(0, 1)
+
+    def context(t):  # [B, h, c, D] -> the same keys for each group, [B * n, h, c, D]
+        return t[:, None].expand(b, n, *t.shape[1:]).flatten(0, 1)
+
+    kg = torch.cat([context(k[:, :, :c]), split(k[:, :, c:])], dim=2)
+    vg = torch.cat([context(v[:, :, :c]), split(v[:, :, c:])], dim=2)
+    out = attend(split(q), kg, vg, g.mask, enable_gqa)
+    return out.unflatten(0, (b, n)).transpose(1, 2).flatten(2, 3)[:, :, :q_len]
 
 
 def visibility(

@@ -13,6 +13,7 @@ Weight names follow z-lab's DFlashDraftModel so vLLM / SGLang / z-lab load the e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -148,10 +149,13 @@ class Attention(nn.Module):
             k = k.repeat_interleave(nh // nkv, dim=1)
             v = v.repeat_interleave(nh // nkv, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:  # a flex-attention BlockMask (see train.py)
-            from dflash_pipeline.drafter.flex import flex_attention
+        else:  # a flex-attention BlockMask, or one of query groups (drafter/flex.py; see train.py)
+            from dflash_pipeline.drafter import flex
 
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=nh != nkv)
+            if isinstance(mask, flex.QueryGroups):
+                out = flex.grouped_attention(q, k, v, mask, enable_gqa=nh != nkv)
+            else:
+                out = flex.flex_attention(q, k, v, block_mask=mask, enable_gqa=nh != nkv)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, nh * hd))
 
 
@@ -213,11 +217,15 @@ class DFlashDrafter(nn.Module):
         ctx_len: int,
         flex: bool = False,
         first: torch.Tensor | None = None,
+        groups: int = 1,
     ) -> dict:
-        """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training); `first` [B, N]: where
-        each anchor's sample begins in a packed row (batching.segment_bounds; None = at 0)."""
+        """One mask per layer type; flex=True builds FlexAttention BlockMasks (CUDA training), over `groups` query
+        groups (drafter.flex.QueryGroups); `first` [B, N]: where each anchor's sample begins in a packed row
+        (batching.segment_bounds; None = at 0)."""
         if flex:
-            from dflash_pipeline.drafter.flex import block_sparse_mask as make
+            from dflash_pipeline.drafter.flex import block_sparse_mask
+
+            make = functools.partial(block_sparse_mask, groups=groups)
         else:
             make = block_mask
         return {

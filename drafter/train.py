@@ -145,6 +145,10 @@ def _build(
             "train.pack=true with train.attention=sdpa: the dense mask spans the whole packed row, so attention grows "
             "with the square of batch_size (slower than padding); packing pays with flex attention (CUDA)"
         )
+    if cfg.attention_groups > 1 and not use_flex:
+        log.warning(
+            "train.attention_groups=%d applies to flex attention only (CUDA): sdpa ignores it", cfg.attention_groups
+        )
     precision = resolve_precision(cfg.precision, dev)
     head = load_target_head(report, dev, compute_dtype(precision), need_norm=cfg.distill)
     model = DFlashDrafter(spec).to(dev)
@@ -182,7 +186,9 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
                 job.head.embed(blk["block_ids"]),
                 ctx_pos,
                 blk["block_pos"],
-                job.model.block_masks(anchors, keep, t, job.flex, first if starts is not None else None),
+                job.model.block_masks(
+                    anchors, keep, t, job.flex, first if starts is not None else None, cfg.attention_groups
+                ),
             )
             last = (
                 states(b, "last_hidden", job.ds.precision, job.ds.logical_torch, job.compute) if cfg.distill else None
