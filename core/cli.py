@@ -107,9 +107,10 @@ def summary_lines(s, seconds: float) -> list[str]:
     lines = [f"done in {seconds:.0f} s; outputs under {shown(s.output_dir)}"]
     if s.current or s.version:
         what = f"{_extracted(s)}; " if s.version else ""
+        published = f"; CURRENT is {s.current or 'not set'}" if s.version and s.current != s.version else ""
         lines.append(
-            f"store: {shown(s.store)} version {s.current or s.version} ({what}validation {s.validation or 'not run'}); "
-            "read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
+            f"store: {shown(s.store)} version {s.version or s.current} ({what}validation {s.validation or 'not run'}"
+            f"{published}); read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
         )
     if s.drafter:
         lines.append(f"drafter: {shown(s.drafter)}" + (f" (final loss {s.final_loss:.3f})" if s.final_loss else ""))
@@ -298,6 +299,7 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.discard import discard_units
+    from dflash_pipeline.storage.store import same_identity
     from dflash_pipeline.storage.validated import unvalidated_fix
     from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records
 
@@ -323,10 +325,15 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
                 print(line)
             damaged = report.damaged_units()
             if damaged and not store.resumable(version):
+                mine = store.attrs(version)
+                newest = [v for v in store.versions() if same_identity(store.attrs(v), mine)][-1]
                 print(
                     f"not discarding units of {version}: a newer version of the same target, layers and precision "
-                    "exists, and runs extract into the newest one only, so nothing would rebuild them. Readers of "
-                    f"{version} keep getting the error naming them; read the newer version, or prune this one"
+                    f"exists ({newest}), and runs extract into the newest one only, so nothing would rebuild them "
+                    f"here. Readers of {version} keep getting the error naming them. Repair the newest version "
+                    f"instead if it shares the damage (`dflash-pipeline verify {args.store} --version {newest} "
+                    "--repair`, then rerun; a nightly run repairs a version that failed validation on integrity by "
+                    "itself): validation then publishes it"
                 )
             elif damaged:
                 discard_units(store, version, sorted(damaged), {u: why[0] for u, why in damaged.items()})

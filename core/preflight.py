@@ -9,6 +9,7 @@ go through the CLI)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -20,11 +21,29 @@ from dflash_pipeline.errors import ConfigError, DataError, StoreError
 log = logging.getLogger(__name__)
 
 
+# What a run writes below an output directory or store is at most this many bytes deeper (a compact store's
+# scale shard with its temp name, a checkpoint's files): a path the system cannot hold fails mid-stage otherwise.
+DEEPEST_BELOW = 200
+
+
 def _writable_dir(path: str, field: str) -> None:
     p = Path(path)
-    existing = next((a for a in (p, *p.parents) if a.exists()), None)
+    existing = next((a for a in (p, *p.parents) if _exists(a)), None)
     if existing is None or not existing.is_dir():
         raise ConfigError(f"{field}={path}: {existing} is not a directory; choose a directory path")
+    path_max, name_max = (
+        _limit(existing, name, default) for name, default in (("PC_PATH_MAX", 4096), ("PC_NAME_MAX", 255))
+    )
+    if len(os.fsencode(path)) + DEEPEST_BELOW > path_max:
+        raise ConfigError(
+            f"{field} is {len(os.fsencode(path)):,} bytes long ({path[:48]}...): the files a run writes below it "
+            f"would pass this system's path limit of {path_max:,} bytes; choose one under {path_max - DEEPEST_BELOW:,}"
+        )
+    if long := next((c for c in p.parts if len(os.fsencode(c)) > name_max), None):
+        raise ConfigError(
+            f"{field} has a directory name of {len(os.fsencode(long)):,} bytes ({long[:48]}...): this file "
+            f"system's limit is {name_max}; choose a shorter name"
+        )
     try:
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-") as f:
@@ -32,10 +51,25 @@ def _writable_dir(path: str, field: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
+        fix = "free some space there" if e.errno == errno.ENOSPC else "fix its permissions"
         raise StoreError(
             f"{field}={path} is not writable ({e.strerror or e}); choose a directory you can write "
-            f"(e.g. --set {field}=~/dflash-runs) or fix its permissions"
+            f"(e.g. --set {field}=~/dflash-runs) or {fix}"
         ) from None
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except OSError:  # a name longer than the file system's limit (named below)
+        return False
+
+
+def _limit(directory: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(directory, name)
+    except (OSError, ValueError):
+        return default
 
 
 def _local(path: str) -> str:

@@ -345,18 +345,53 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
         return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
 
 
-def discard_failed_versions(store: Store) -> list[str]:
-    """Versions newer than CURRENT whose validation failed (their validation.json says so) are deleted, so that
-    a nightly run (extract.new_version) starts again from CURRENT instead of extending data that did not
-    validate. A newer version that never got as far as validation (a crash, a stop) is kept: the next run
-    resumes it from its commit records. CURRENT itself is never touched."""
+def heal_failed_versions(store: Store) -> list[str]:
+    """Before a nightly run (extract.new_version) plans: the versions newer than CURRENT (all of them while nothing
+    is published) whose validation failed. One that failed on integrity (bytes that differ from their commit
+    records, missing files: a disk's damage, or a unit a snapshot shared from a damaged CURRENT) is repaired as
+    `verify --repair` would: its damaged units are discarded, so this run extracts exactly their samples again, and
+    every intact unit is kept (a damage hunt found a first version deleted whole, with every GPU-hour of it, for one
+    flipped byte). One whose bytes are intact but whose states failed a content check (non-finite, all-zero, unequal
+    to a fresh forward) is deleted: its data are not trusted, and the night starts again from CURRENT. A newer
+    version that never got as far as validation (a crash, a stop) is kept: the run resumes it from its commit
+    records. CURRENT itself is never touched. Returns the versions deleted."""
+    from dflash_pipeline.progress import counted
+    from dflash_pipeline.storage.discard import discard_units
+    from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
+
     current, versions = store.current(), store.versions()
     newer = versions[versions.index(current) + 1 :] if current in versions else versions
-    failed = [v for v in newer if (store.loc.read_json(f"{v}/validation.json") or {}).get("ok") is False]
-    for v in failed:
-        log.warning("discarding store version %s: its validation failed; this run starts again from %s", v, current)
+    deleted = []
+    for v in newer:
+        record = store.loc.read_json(f"{v}/validation.json") or {}
+        if record.get("ok") is not False:
+            continue
+        failed = sorted({str(c.get("check")) for c in record.get("checks", []) if not c.get("ok")})
+        if "integrity" in failed and store.resumable(v):  # damage: the other failures may be its doing
+            report = verify_version(store, v)
+            for line in rebuild_plan_records(store, report):
+                log.warning("store version %s: %s", v, line)
+            damaged = report.damaged_units() if report.attributes_vouched else {}
+            if damaged:
+                discard_units(store, v, sorted(damaged), {u: why[0] for u, why in damaged.items()})
+            log.warning(
+                "store version %s failed validation (%s): %s; this run extends it",
+                v,
+                ", ".join(failed),
+                f"{counted(len(damaged), 'damaged unit')} discarded ({', '.join(sorted(damaged))}), extracted again"
+                if damaged
+                else "no unit differs from its commit record now",
+            )
+            continue
+        log.warning(
+            "discarding store version %s: its validation failed (%s); this run starts again from %s",
+            v,
+            ", ".join(failed) or "no check recorded",
+            current or "an empty store",
+        )
         store.delete_version(v)
-    return failed
+        deleted.append(v)
+    return deleted
 
 
 # ---- the order --------------------------------------------------------------------------------------------
@@ -501,7 +536,7 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
         with store.lock(wait_for_brief_s=STORE_BRIEF_WAIT_S):  # one run per store at a time, whichever deployment
             summary.previous_current = store.current()
             if cfg.extract.new_version and "extract" in stages:  # nightly: heal after a failed night
-                discard_failed_versions(store)
+                heal_failed_versions(store)
             # only a run that extracts may change the store (plan, repair): validation alone only looks
             plan_ = (
                 runner.plan(cfg, report, prepared)

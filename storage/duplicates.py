@@ -63,10 +63,14 @@ def duplicate_problems(store: Store, version: str, units: list[str]) -> tuple[li
             )
             problems.append(Problem(replaced, "-", f"units/{replaced}", what, DUPLICATE))
         else:
+            plan = (
+                f" and {PLANS}/{unit}.json"
+                if store.loc.exists(store._plan_rel(version, unit))
+                else " (it has no plan record)"
+            )
             what = (
                 f"{_duplicate_line(pairs)}: a version stores each sample once. If this unit was copied in, "
-                f"delete its directory and plans/{unit}.json; if the other one was, delete that one's; then verify "
-                "again"
+                f"delete its directory{plan}; if the other one was, delete that one's; then verify again"
             )
             problems.append(Problem(unit, "-", f"units/{unit}", what, DUPLICATE))
     return problems, involved

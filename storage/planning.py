@@ -123,7 +123,7 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     is not touched. Units that verify are not touched; a unit without commit record is unfinished work, which
     its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
     units whose bytes differ; this then recreates them too."""
-    from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
+    from dflash_pipeline.storage.verify import check_sample_table, rebuild_plan_records, verify_version
 
     report = verify_version(store, version, digests=False)
     for line in rebuild_plan_records(store, report):
@@ -142,6 +142,13 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
             raise StoreError(
                 f"unit {unit_url} is damaged ({problems[0]}) and has no intact plan record to rebuild it from: "
                 "delete its directory and its plan record, and rerun to plan its samples again into a new unit"
+            )
+        if table := check_sample_table(plan, lambda _file, detail: detail):
+            raise StoreError(
+                f"unit {unit_url} is damaged ({problems[0]}) and its plan record {store._plan_rel(version, u)} "
+                f"contradicts itself ({table[0]}): it was edited or damaged, so the unit cannot be rebuilt from it. "
+                "Delete the plan record (and the unit's directory, if any) and rerun: its samples are planned "
+                "again into a new unit"
             )
         foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
         if foreign:

@@ -65,7 +65,10 @@ def published_version(store: Store, unvalidated: str = "refuse") -> str:
     current = store.current()
     if current is not None:
         if current not in store.versions():
-            raise StoreError(f"store {store.url}: CURRENT names version {current!r}, which does not exist")
+            raise StoreError(
+                f"store {store.url}: CURRENT names version {current!r}, which does not exist (a version is a "
+                "directory named v and digits, e.g. v0001, holding a zarr.json)"
+            )
         return current
     versions = store.versions()
     if not versions:

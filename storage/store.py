@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ IDENTITY_KEYS = (
     "target_quantization",
 )
 # The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
+VERSION_NAME = re.compile(r"v[0-9]+")  # v0001, v0002, ... (new_version_name)
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 # Identity attributes that versions written before they existed lack, and the value those versions have.
 IDENTITY_DEFAULTS = {"precision": "full", "target_quantization": None}  # None: an unquantized target
@@ -119,7 +121,11 @@ class Store:
 
     # ---- versions -------------------------------------------------------------------------------
     def versions(self) -> list[str]:
-        return [v for v in self.loc.list_dirs() if v.startswith("v") and self.loc.exists(f"{v}/zarr.json")]
+        """The store's versions, oldest first: directories named v + digits (v0001, ...) that hold a zarr.json.
+        Anything else in the store's root is not a version (a backup copy `v0001.bak`, `v0000-old`): no run,
+        prune, verify or reader looks at it."""
+        names = [v for v in self.loc.list_dirs() if VERSION_NAME.fullmatch(v) and self.loc.exists(f"{v}/zarr.json")]
+        return sorted(names, key=lambda v: int(v[1:]))
 
     def current(self) -> str | None:
         data = self.loc.read_bytes("CURRENT")
@@ -355,7 +361,7 @@ class Store:
     def resumable(self, version: str) -> bool:
         """Whether a run can write into `version` again: only the newest version of its identity (a run resumes
         or extends the newest version of its identity; an older one, CURRENT or not, is only read, then pruned)."""
-        attrs, later = self.attrs(version), [v for v in self.versions() if v > version]
+        attrs, later = self.attrs(version), [v for v in self.versions() if int(v[1:]) > int(version[1:])]
         return not any(same_identity(self.attrs(v), attrs) for v in later)
 
     def precision_refusal(self, precision: str) -> str | None:

@@ -279,7 +279,7 @@ def check_unit(
     if plan_problem:
         want = ((rec or {}).get("files") or {}).get("zarr.json") if isinstance(rec, dict) else None
         got = (store.loc.digest_of(f"{unit_rel}/zarr.json") or {}).get(digest.ALGORITHM) if want else None
-        if want and got == want.get(digest.ALGORITHM) and not _check_sample_table(attrs, P):
+        if want and got == want.get(digest.ALGORITHM) and not check_sample_table(attrs, P):
             what = (
                 f"{plan_problem}; the unit's zarr.json equals its commit record's digest, so its attributes are as "
                 f"committed and the plan record is the damaged one ({REBUILD_PLAN})"
@@ -292,7 +292,7 @@ def check_unit(
             problems.append(P("zarr.json", plan_problem))
     if commit_problem:
         return problems + [P("commit.json", commit_problem)], 0, 0
-    problems += _check_sample_table(attrs, P)
+    problems += check_sample_table(attrs, P)
     listing = store.loc.list_files(unit_rel) if digests is not None or rec is None else {}
     if rec is None:
         shards = [
@@ -393,7 +393,9 @@ def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None =
     return problems
 
 
-def _check_sample_table(attrs: dict, P) -> list[Problem]:
+def check_sample_table(attrs: dict, P) -> list[Problem]:
+    """Whether `samples` ([id, start, length] ...) lay end to end from 0 over `n_tokens` (a unit's attributes or
+    its plan record); problems made by `P(file, detail)`."""
     samples, n = attrs.get("samples"), attrs.get("n_tokens")
     try:
         pos = 0

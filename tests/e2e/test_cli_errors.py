@@ -132,6 +132,13 @@ CASES = {
     "key typo": (lambda t, m: ["data.max_sample=3"], "data.max_sample: unknown key", "did you mean data.max_samples?"),
     # an empty path was the current directory: the whole run went into it (here: the source tree), exit 0
     "empty output_dir": (lambda t, m: ["output_dir="], "output_dir is empty (''): give a directory"),
+    # a damage hunt: a 4,010-character output_dir failed in plan with chained ENAMETOOLONG tracebacks
+    "output_dir past the path limit": (
+        lambda t, m: [f"output_dir={t}/" + "/".join(["d" * 200] * 20)],
+        "output_dir is 4,",
+        "the files a run writes below it would pass this system's path limit",
+    ),
+    "directory name past the limit": (lambda t, m: [f"output_dir={t}/{'n' * 300}"], "a directory name of 300 bytes"),
     # the weights were missed until the probe, after Prefect's start, without naming the setting
     "model without weights": (
         lambda t, m: [f"target.model_path={_model_without_weights(t / 'm', m)}"],

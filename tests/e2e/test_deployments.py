@@ -163,8 +163,8 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
 def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_path):
     """Night 2's extraction worker is killed (no retries): the run fails naming the worker and its signal,
     CURRENT stays. Night 3 resumes the unfinished version and publishes it after validation. (A version whose
-    validation failed is discarded instead: tests/integration/test_nightly_recovery.py, which also runs a first
-    night on an empty store.) Night 1, the published version the failed night must leave alone, is made in this
+    validation failed is repaired or discarded instead: tests/integration/test_nightly_recovery.py, which also runs
+    a first night on an empty store.) Night 1, the published version the failed night must leave alone, is made in this
     process from the nightly deployment's own preset (the flow's compose_overrides): only nights 2 and 3 need the
     deployment."""
     from dflash_pipeline.config import load_config

@@ -280,9 +280,13 @@ def test_a_unit_copied_into_the_version_is_named_not_read_twice(small_store, ori
         HiddenStateDataset(root, version, unvalidated="warn")
     assert cli(["verify", str(root), "--repair", "--unvalidated"]) == 1  # not for --repair to guess which
     assert (v / "units/u00007").is_dir()
+    capsys.readouterr()
 
+    (v / "plans/u00007.json").unlink()  # a unit directory copied in alone (`cp -r u00000 "u00000 copy"`)
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert "delete its directory (it has no plan record)" in out and "plans/u00007.json" not in out, out
     shutil.rmtree(v / "units/u00007")
-    (v / "plans/u00007.json").unlink()
     assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 0
     assert_same_store(original[0], snapshot(Store(root), version))
 
@@ -340,6 +344,26 @@ def test_missing_unit_directory_is_named_and_rebuilt(small_store, original, tmp_
     rerun = extract_local(tmp_path, SMALL)
     assert rerun.result.forward_passes == batches["u00001"]
     assert_same_store(before, snapshot(Store(root), version))
+
+
+def test_a_missing_unit_with_a_plan_record_that_contradicts_itself_is_not_rebuilt_from_it(small_store, tmp_path):
+    """A unit directory gone and its plan record edited (n_tokens lowered, a sample dropped: a damage hunt): the
+    rerun rebuilt the unit from it, validation failed, `verify --repair` discarded it, the rerun rebuilt the same,
+    for good. The record is checked first; the error names it and the fix, which works."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    shutil.rmtree(root / version / U1)
+    plan_path = root / version / "plans/u00001.json"
+    plan = json.loads(plan_path.read_text())
+    plan["n_tokens"] -= 50
+    plan["samples"] = plan["samples"][:-1]
+    plan_path.write_text(json.dumps(plan))
+    with pytest.raises(StoreError, match="plans/u00001.json contradicts itself .*sample table covers") as e:
+        extract_local(tmp_path, SMALL)
+    assert "Delete the plan record" in str(e.value)
+    plan_path.unlink()
+    rerun = extract_local(tmp_path, SMALL, validate=True)  # its samples planned again, into a new unit
+    assert rerun.validation.ok and len(HiddenStateDataset(root)) == SMALL["data.max_samples"]
 
 
 def test_on_object_storage_damage_is_named_and_repaired(s3, small_store, original, capsys, tmp_path):

@@ -1,5 +1,6 @@
 """Nightly runs heal (issue 16): a failed night leaves CURRENT alone; the next night resumes a version that was
-interrupted before validation, and discards one whose validation failed, starting again from CURRENT."""
+interrupted before validation, repairs one whose validation failed on damage (its intact units kept), and discards
+one whose intact states failed validation, starting again from CURRENT."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 import pytest
 
 from dflash_pipeline import stages
+from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.stages import LocalRunner, run_pipeline
 from dflash_pipeline.storage.store import Store
 from tests.helpers import config
+from tests.integration.test_integrity import _flip
 
 NIGHTLY = {
     "stages": ["prepare", "probe", "extract", "validate"],
@@ -62,3 +65,48 @@ def test_an_interrupted_night_is_resumed_by_the_next_night(model_dir, tmp_path):
     summary = night(tmp_path, 14)
     assert summary.version == summary.current == "v0002" and summary.validation == "PASS"
     assert summary.forward_passes == 0  # resumed: nothing extracted twice
+
+
+def _inodes(root, version: str) -> dict[str, int]:
+    units = root / version / "units"
+    return {str(f.relative_to(units)): f.stat().st_ino for f in units.rglob("*") if f.is_file()}
+
+
+def test_a_first_version_that_failed_validation_on_damage_is_repaired_not_deleted(model_dir, tmp_path):
+    """Nothing published yet, one flipped byte: the nightly run repairs the version (its damaged unit extracted
+    again, every other unit kept as it was) instead of deleting it whole (a damage hunt: every GPU-hour of the
+    first extraction lost to one byte)."""
+    night(tmp_path, 10, stages=["prepare", "probe", "extract"], **{"extract.unit_tokens": 300})  # several units
+    root = tmp_path / "store"
+    shard = root / "v0001/units/u00000/hidden/c/0/0/0"
+    _flip(shard)
+    with pytest.raises(ValidationFailed, match="content differs"):
+        night(tmp_path, 10, stages=["prepare", "probe", "validate"])
+    before = _inodes(root, "v0001")
+    summary = night(tmp_path, 14)
+    assert summary.version == summary.current == "v0001" and summary.validation == "PASS"
+    after = _inodes(root, "v0001")
+    kept = [f for f in before if not f.startswith("u00000/") and after.get(f) == before[f]]
+    assert kept and all(after[f] == before[f] for f in before if not f.startswith("u00000/") and "/c/" in f)
+    assert after["u00000/hidden/c/0/0/0"] != before["u00000/hidden/c/0/0/0"]  # extracted again
+    assert len(HiddenStateDataset(root)) == 14
+
+
+def test_damage_a_snapshot_shared_from_current_is_repaired_by_the_next_night(model_dir, tmp_path):
+    """A flipped byte in the published version: the next night's snapshot shares the damaged unit and fails
+    validation; the night after repairs the new version (the unit extracted again there, the other shared units
+    kept as links) and publishes it, where the old policy deleted it and shared the same damage again, every night."""
+    assert night(tmp_path, 10, **{"extract.unit_tokens": 300}).current == "v0001"  # several units
+    root = tmp_path / "store"
+    _flip(root / "v0001/units/u00000/hidden/c/0/0/0")
+    with pytest.raises(ValidationFailed, match="content differs"):
+        night(tmp_path, 14)
+    store = Store(root)
+    assert store.current() == "v0001" and store.versions() == ["v0001", "v0002"]
+    summary = night(tmp_path, 14)
+    assert summary.version == summary.current == "v0002" and summary.validation == "PASS"
+    old, new = _inodes(root, "v0001"), _inodes(root, "v0002")
+    assert new["u00000/hidden/c/0/0/0"] != old["u00000/hidden/c/0/0/0"]  # extracted again, in v0002 only
+    shared = [f for f in old if not f.startswith("u00000/") and "/c/" in f]
+    assert shared and all(new[f] == old[f] for f in shared)  # the intact units are still shared, not copied
+    assert len(HiddenStateDataset(root)) == 14

@@ -90,6 +90,21 @@ def test_prune_keeps_newest_and_current(tmp_path, model_dir):
     assert store.versions() == ["v0002", "v0003", "v0004"]
 
 
+def test_a_backup_copy_beside_the_versions_is_no_version(tmp_path, model_dir):
+    """`cp -a store/v0001 store/v0001.bak` (a damage hunt): a rerun published the copy as CURRENT, a nightly run
+    crashed on its name, and a prune deleted a `v0000-backup`. Only v + digits is a version."""
+    ex = extract_local(tmp_path, {**BASE, "data.max_samples": 10}, validate=True)
+    root = tmp_path / "store"
+    shutil.copytree(root / "v0001", root / "v0001.bak")
+    shutil.copytree(root / "v0001", root / "v0000-backup")
+    store = Store(root)
+    assert store.versions() == ["v0001"] and store.new_version_name() == "v0002"
+    again = extract_local(tmp_path, {**BASE, "data.max_samples": 12}, validate=True)  # snapshot, validate, publish
+    assert again.plan.version == store.current() == "v0002" != ex.plan.version
+    assert store.prune(keep=1) == ["v0001"]
+    assert (root / "v0001.bak/zarr.json").exists() and (root / "v0000-backup/zarr.json").exists()
+
+
 def test_store_lock_is_exclusive(tmp_path):
     store = Store(tmp_path / "store")
     with store.lock():

@@ -8,7 +8,8 @@ from dflash_pipeline.stages import RunSummary
 
 
 def _store_line(**given) -> str:
-    s = RunSummary(output_dir="out", store="runs/s", version="v0001", current="v0001", validation="PASS", **given)
+    defaults = {"output_dir": "out", "store": "runs/s", "version": "v0001", "current": "v0001", "validation": "PASS"}
+    s = RunSummary(**(defaults | given))
     return summary_lines(s, 1.0)[1]
 
 
@@ -33,9 +34,17 @@ def test_paths_on_the_console_are_relative_to_where_the_user_is(tmp_path, monkey
     s = RunSummary(output_dir=str(tmp_path / "runs/e"), store=str(tmp_path / "runs/e/store"), version="v0001")
     assert summary_lines(s, 1.0)[:2] == [
         "done in 1 s; outputs under runs/e",
-        "store: runs/e/store version v0001 (no new samples, nothing to extract; validation not run); read it with "
-        "dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)",
+        "store: runs/e/store version v0001 (no new samples, nothing to extract; validation not run; CURRENT is not "
+        "set); read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)",
     ]
+
+
+def test_the_store_line_names_the_version_written_not_the_published_one():
+    """An incremental run without validate writes v0002 while readers stay on v0001 (a damage hunt found the line
+    naming v0001, the version CURRENT still named)."""
+    line = _store_line(version="v0002", current="v0001", validation=None, new_samples=79, tokens_extracted=5000)
+    assert "version v0002 (79 new samples, 5,000 tokens extracted now; validation not run; CURRENT is v0001)" in line
+    assert "CURRENT" not in _store_line(new_samples=1, tokens_extracted=10)  # validated and published: the same
 
 
 def test_plan_prints_its_report_and_warnings_only():
