@@ -9,9 +9,9 @@ import json
 import pytest
 
 from dflash_pipeline import stages
-from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import config
 from tests.integration.test_integrity import _flip
