@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -61,6 +62,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        # the rest is shutting down (Prefect's temporary server stops at exit): a second Ctrl-C there printed a
+        # traceback from Prefect's exit handler (a fresh-user check), and stopping it would leave the server behind
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(
             f"stopped ({str(e) or 'Ctrl-C'}): what was committed (store units, training checkpoints) is kept, and "
             "running the same command again resumes from there",
@@ -96,7 +100,10 @@ def _extracted(s) -> str:
     if s.new_samples:
         return f"{s.new_samples:,} new samples, {tokens:,} tokens extracted now"
     if tokens:  # units planned by an earlier run: cut short, or discarded by `verify --repair`
-        return f"no new samples; {tokens:,} tokens of units planned before (unfinished or repaired) extracted now"
+        return (
+            f"no new samples; {tokens:,} tokens of units planned before (unfinished, repaired or deleted by "
+            "retention) extracted now"
+        )
     return "no new samples, nothing to extract"
 
 
@@ -180,6 +187,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a fresh-user check: a 56-line traceback, and no exit status of a stop)
+        print("stopped (Ctrl-C): the plan changed nothing in the store", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

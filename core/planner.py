@@ -27,7 +27,7 @@ from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import diskcheck, quant, retention
 from dflash_pipeline.storage.layout import DTYPES
-from dflash_pipeline.storage.store import Store, same_identity
+from dflash_pipeline.storage.store import Store, other_dataset, same_identity
 
 # Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -211,18 +211,25 @@ def _free_bytes(cfg: RunConfig) -> tuple[int | None, str]:
     return shutil.disk_usage(existing).free, f"free space of the filesystem of {existing}"
 
 
-def _committed_tokens(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> int:
-    """Tokens of this dataset's samples that the version this run continues (the newest with its identity; none
-    with extract.new_version) already committed: a resumed run writes only the rest. Samples of other datasets,
-    and units whose data retention deleted (a rerun writes them again), do not count."""
-    if cfg.extract.new_version or ("://" not in cfg.store and not Path(cfg.store).exists()):
-        return 0
+def _continued(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> tuple[int, str | None]:
+    """(tokens of this dataset's samples that the version this run continues (the newest with its identity; none
+    with extract.new_version) already committed, why the run will be refused that version for its dataset or None).
+    A resumed run writes only the rest. Samples of other datasets, and units whose data retention deleted (a rerun
+    writes them again), do not count. As storage/store.py's resolve_version decides, reading only."""
+    if "://" not in cfg.store and not Path(cfg.store).exists():
+        return 0, None
     try:
         store = Store(cfg.store, cfg.store_options)
         identity = target_identity(cfg, report, logical)  # format_version included
-        v = next((v for v in reversed(store.versions()) if same_identity(store.attrs(v), identity)), None)
+        kept = [v for v in store.versions() if not retention.read_record(store, v).get("prune")]
+        v = next((v for v in reversed(kept) if same_identity(store.attrs(v), identity)), None)
         if v is None:
-            return 0
+            return 0, None
+        held = store.attrs(v).get("dataset_fingerprints") or []
+        if prepared.fingerprint not in held and not cfg.extract.incremental:
+            return 0, other_dataset(store.loc.url_of(v), held, prepared.fingerprint)
+        if cfg.extract.new_version:
+            return 0, None
         units = store.units(v)
         gone = retention.retired(retention.read_record(store, v), units)
         ours, total = None, 0
@@ -234,9 +241,9 @@ def _committed_tokens(cfg: RunConfig, report: ProbeReport, prepared: PrepareResu
             total += sum(
                 n for sid, start, n in store.unit_attrs(v, u)["samples"] if start + n <= committed and sid in ours
             )
-        return total
+        return total, None
     except (OSError, ValueError):
-        return 0
+        return 0, None
 
 
 def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logical: str) -> StoreEstimate:
@@ -245,7 +252,8 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
     tokens, k, h = prepared.n_tokens, len(report.layer_ids), report.hidden_size
     units = max(1, math.ceil(tokens / cfg.extract.unit_tokens))
     store_bytes = int(per_token * tokens + sample_meta * prepared.n_samples)
-    committed = min(_committed_tokens(cfg, report, prepared, logical), tokens)
+    committed, refusal = _continued(cfg, report, prepared, logical)
+    committed = min(committed, tokens)
     needed = int(store_bytes * (tokens - committed) / max(tokens, 1))
     free, free_source = _free_bytes(cfg)
     gpu, gpu_source = _gpu_name(cfg, report)
@@ -256,6 +264,8 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
             f"(at most regenerate.max_new_tokens={cfg.regenerate.max_new_tokens} tokens each) replace them, so "
             "the run prepares that set anew"
         )
+    if refusal:
+        notes.append(f"a run with these settings will be refused: {refusal}")
     if committed:
         notes.append(f"{committed:,} tokens are already committed in the store: only the rest is written")
     est = StoreEstimate(

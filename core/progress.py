@@ -44,12 +44,13 @@ class Stage:
     unit: str = ""
     first: tuple[float, float] | None = None  # (time, done) of the first update: the rate excludes resumed work
     result: str = ""  # the end line's text, set by the stage (`said`)
-    reused: str = ""  # what of an earlier run this stage reused, if anything (`said`)
+    reused: list[str] = field(default_factory=list)  # what of an earlier run this stage reused (`said`)
 
     def said(self, *results) -> None:
         """The end line and the reuse of this stage, from its typed results (SAID, REUSED below)."""
         self.result = SAID[self.name](*results) if self.name in SAID else str(results[0])
-        self.reused = REUSED[self.name](*results) if self.name in REUSED else ""
+        got = REUSED[self.name](*results) if self.name in REUSED else []
+        self.reused = [r for r in ([got] if isinstance(got, str) else got) if r]
 
     @property
     def label(self) -> str:
@@ -171,8 +172,7 @@ class Run:
                     _display.finished(st, ok)
             if ok:
                 log.info("%s", st.end_line())
-                if st.reused:
-                    self.reused.append(st.reused)
+                self.reused.extend(st.reused)
 
 
 def update(name: str, done: float, total: float, unit: str = "", part: str = "") -> None:
@@ -439,10 +439,9 @@ SAID = {
 }
 
 
-def _reused_evaluation(a) -> str:
+def _reused_evaluation(a) -> list[str]:
     parts = ["the trained drafter's acceptance"] if getattr(a, "reused", False) else []
-    parts += ["the untrained baseline"] if getattr(a, "baseline_reused", False) else []
-    return " and ".join(parts)
+    return parts + (["the untrained baseline"] if getattr(a, "baseline_reused", False) else [])
 
 
 REUSED = {

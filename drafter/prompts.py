@@ -10,6 +10,8 @@ from pathlib import Path
 from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.errors import ConfigError, DataError
 
+PROMPT_ENDS = ("user", "tool")  # the turn a prompt ends with: what the target replies to
+
 
 def check_slice_fields(rows: list[dict], fields: list[str], where: str) -> None:
     """Every row used has every `evaluate.slice_by` field, else a ConfigError naming the field, the first row
@@ -53,6 +55,14 @@ def load_prompts(cfg: EvalConfig) -> list[dict]:
             raise DataError(f"{p} line {n} is not JSON ({e}): evaluate.prompts needs one JSON object a line") from e
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise DataError(f"{p} line {n}: a prompt row is an object with 'messages' (a list of chat turns)")
+        turns = row["messages"]
+        last = turns[-1].get("role") if turns and isinstance(turns[-1], dict) else None
+        if last not in PROMPT_ENDS:  # (a fresh-user check: a row ending with the reply was scored anyway)
+            raise DataError(
+                f"{p} line {n} (id {row.get('id')!r}): its messages end with "
+                f"{'a turn of role ' + repr(last) if last else 'no chat turn'}; a prompt ends with the user's turn "
+                "(or a tool result) that the target answers: drop the reply, or the row"
+            )
         rows.append(row)
     rows = rows[: cfg.num_prompts] if cfg.num_prompts else rows
     check_slice_fields(rows, cfg.slice_by, str(p))

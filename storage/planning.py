@@ -39,7 +39,7 @@ def plan_units(
     prepared order, stored longest-first (batches of similar length; OOM shows up at once).
     """
     attrs = store.attrs(version)
-    retention.restore_for_extraction(store, version)  # units whose data retention deleted: planned again
+    restored = retention.restore_for_extraction(store, version)  # units whose data retention deleted: planned again
     discard.empty_trash(store, version)  # what a killed `verify --repair` left half-deleted
     if not store.loc.exists(f"{version}/units/zarr.json"):  # readers using plain zarr list units through it
         store.loc.open_group(f"{version}/units", mode="a")
@@ -51,7 +51,7 @@ def plan_units(
         store.loc.rmtree(store._unit_rel(version, u))
         store.loc.rmtree(store._plan_rel(version, u))
     row_of = {sid: i for i, sid in enumerate(sample_ids)}
-    repaired = _repair_units(store, version, attrs, row_of, lengths, fetch, compression)
+    repaired = _repair_units(store, version, attrs, row_of, lengths, fetch, compression, set(restored))
     assigned: set[str] = set()
     for u in store.units(version):
         assigned.update(s[0] for s in store.unit_attrs(version, u)["samples"])
@@ -114,7 +114,7 @@ def _half_planned(store: Store, version: str, unit: str) -> bool:
         return not store.loc.exists(store._plan_rel(version, unit))
 
 
-def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compression) -> list[str]:
+def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compression, restored=frozenset()) -> list[str]:
     """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
     that differ from the plan record, a unit directory missing) are discarded and created again from their
     plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
@@ -122,7 +122,8 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     zarr.json equals its commit record's digest) is the damaged one: it is rewritten from them and the unit
     is not touched. Units that verify are not touched; a unit without commit record is unfinished work, which
     its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
-    units whose bytes differ; this then recreates them too."""
+    units whose bytes differ; this then recreates them too, as the units whose data retention deleted
+    (`restored`)."""
     from dflash_pipeline.storage.verify import check_sample_table, rebuild_plan_records, verify_version
 
     report = verify_version(store, version, digests=False)
@@ -166,7 +167,9 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
                 f"{len(wrong)} such samples), so it cannot be rebuilt from it: delete the unit's directory and "
                 "its plan record, and rerun to plan those samples again into a new unit"
             )
-        if u in discarded and not store.loc.exists(f"{store._unit_rel(version, u)}/zarr.json"):
+        if u in restored:  # (said once for all of them by restore_for_extraction)
+            log.info("unit %s: its data were deleted by retention: extracting its samples again", unit_url)
+        elif u in discarded and not store.loc.exists(f"{store._unit_rel(version, u)}/zarr.json"):
             log.info(
                 "unit %s was discarded by verify --repair: extracting its %d samples again",
                 unit_url,

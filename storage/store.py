@@ -67,6 +67,16 @@ def _difference(key: str, a: Any, b: Any) -> str:
     return f"{key}: store has {a!r}, this run has {b!r}"
 
 
+def other_dataset(version_url: str, fingerprints: list[str], dataset_fp: str) -> str:
+    """Why a run that is not incremental is refused a version made from other prepared datasets."""
+    return (
+        f"store {version_url} was made from prepared dataset(s) {fingerprints}, this run's is {dataset_fp}: its "
+        "rows differ, or a setting that makes them (data.source, data.max_samples or another data.* setting, the "
+        "tokenizer or chat template, regenerate). Set extract.incremental=true to add the rows the store lacks (the "
+        "samples it holds are kept, not extracted again), or use another store_path"
+    )
+
+
 def same_identity(attrs: dict[str, Any], provenance: dict[str, Any]) -> bool:
     """Whether a version with root attributes `attrs` holds states of the run with this `provenance`."""
     return all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS)
@@ -179,11 +189,7 @@ class Store:
             if dataset_fp in attrs.get("dataset_fingerprints", []):
                 return v
             if not incremental:
-                raise StoreError(
-                    f"store {self.loc.url_of(v)} was made from dataset(s) {attrs['dataset_fingerprints']}, "
-                    f"this run's prepared dataset is {dataset_fp}. Set extract.incremental=true to add "
-                    "its new rows to this store, or use another store_path"
-                )
+                raise StoreError(other_dataset(self.loc.url_of(v), attrs["dataset_fingerprints"], dataset_fp))
             from dflash_pipeline.storage.snapshot import snapshot  # (it uses this module)
 
             target = snapshot(self, v) if v == self.current() else v

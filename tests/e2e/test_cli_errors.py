@@ -150,6 +150,25 @@ CASES = {
         lambda t, m: ["evaluate.prompts=~/no-such-prompts.jsonl"],
         "evaluate.prompts='~/no-such-prompts.jsonl': no such file",
     ),
+    # a row ending with the reply was scored as a prompt (a fresh-user check)
+    "a prompt ending with the reply": (
+        lambda t, m: [
+            "evaluate.prompts="
+            + str(
+                _write(
+                    t / "p.jsonl",
+                    json.dumps(
+                        {
+                            "id": "bad",
+                            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                        }
+                    ),
+                )
+            )
+        ],
+        "p.jsonl line 1 (id 'bad'): its messages end with a turn of role 'assistant'",
+        "a prompt ends with the user's turn",
+    ),
     "a slice field the prompts lack": (
         lambda t, m: ["evaluate.slice_by=[source]"],
         "evaluate.slice_by names 'source'",
@@ -272,7 +291,8 @@ def test_serve_on_a_port_in_use_says_so_and_starts_nothing(tmp_path):
 
 def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, prefect_harness, tmp_path):
     """Before: two 'ERROR ... Crash detected! Execution was aborted by an interrupt signal.' lines and 'Finished in
-    state Crashed(...)' came before the stop message. The UI keeps them (the filter is on the console only)."""
+    state Crashed(...)' came before the stop message. The UI keeps them (the filter is on the console only). A
+    second Ctrl-C while it shuts down changes nothing."""
     env = {**os.environ, "PREFECT_API_URL": prefect_harness, "PYTHONUNBUFFERED": "1"}
     sets = [f"output_dir={tmp_path}/out", "extract.devices=cpu", "data.max_samples=8"]
     proc = subprocess.Popen(
@@ -291,6 +311,12 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
             time.sleep(0.2)
         time.sleep(1.0)  # inside the first stage, the probe (a task: its engine and the flow's both report the crash)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
+        while "stopped (" not in (tmp_path / "err").read_text() and proc.poll() is None:
+            time.sleep(0.05)
+        try:  # an impatient second Ctrl-C while it shuts down: was a traceback from Prefect's exit handler
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
         rc = proc.wait(timeout=120)
         # 130, or death by SIGINT itself (-2): a shell shows both as $? = 130, "stopped by Ctrl-C". The second was
         # seen about once in 35 runs under load, after the stop message had been printed (its cause inside the
@@ -302,4 +328,5 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
             proc.wait()
     err = (tmp_path / "err").read_text()
     assert "Crash detected" not in err and "Finished in state Crashed" not in err, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     assert err.rstrip().splitlines()[-1].startswith("stopped (Ctrl-C): what was committed"), err[-3000:]

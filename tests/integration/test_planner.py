@@ -118,6 +118,26 @@ def test_already_committed_counts_only_this_datasets_samples(model_dir, tmp_path
     assert refused.results["estimate"].already_committed_tokens == 0
 
 
+def test_the_plan_says_a_run_on_another_dataset_will_be_refused(model_dir, tmp_path):
+    """USAGE's quick try (data.max_samples) and then the real run into the same output_dir (a fresh-user check):
+    the plan said "only the rest is written" and the run was refused, naming hash fingerprints only. Now the plan
+    says the run will be refused, and both name the settings that make a dataset and the fix."""
+    stages = {"stages": ["prepare", "extract"]}
+    run_pipeline(config(tmp_path, {**stages, "data.max_samples": 10}), LocalRunner())
+    refused = LocalRunner()
+    with pytest.raises(StoreError, match=r"data\.max_samples or another data\.\* setting.*extract\.incremental=true"):
+        run_pipeline(config(tmp_path, {**stages, "data.max_samples": 14}), refused)
+    est = refused.results["estimate"]
+    assert est.already_committed_tokens == 0
+    assert (
+        est.notes[0].startswith("a run with these settings will be refused: store ")
+        and "data.max_samples" in est.notes[0]
+    )
+    more = LocalRunner()
+    run_pipeline(config(tmp_path, {**stages, "data.max_samples": 14, "extract.incremental": True}), more)
+    assert not any("refused" in n for n in more.results["estimate"].notes)
+
+
 def test_plan_counts_the_regenerated_replies_once_they_exist(model_dir, tmp_path, capsys):
     """With regenerate on, a run prepares and extracts the target's own replies: once an earlier run wrote them,
     `plan` counts those (before, it counted data.source's and compared them with a store of regenerated ones)."""

@@ -19,7 +19,9 @@ def test_the_store_line_says_what_this_run_extracted():
     )
     # after `verify --repair` discarded a unit (or a run was cut short), the rerun extracts planned samples again
     repaired = _store_line(new_samples=0, tokens_extracted=19525)
-    assert "no new samples; 19,525 tokens of units planned before (unfinished or repaired) extracted now" in repaired
+    assert "no new samples; 19,525 tokens of units planned before (unfinished, repaired or deleted by retention) " in (
+        repaired
+    )
     assert "0 new samples" not in repaired
     assert "(no new samples, nothing to extract; validation PASS)" in _store_line(new_samples=0, tokens_extracted=0)
 

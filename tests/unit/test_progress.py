@@ -113,3 +113,15 @@ def test_a_resumed_training_says_its_first_loss_is_step_1s():
     assert progress.said_train(r) == "steps 65 -> 600 of 600, loss 7.284 (step 1) -> 0.348, 1,234 tokens/s"
     fresh = SimpleNamespace(**{**vars(r), "start_step": 0})
     assert progress.said_train(fresh) == "steps 0 -> 600 of 600, loss 7.284 -> 0.348, 1,234 tokens/s"
+
+
+def test_what_a_run_reused_is_one_list_item_each():
+    """`run --json`'s reused list (a fresh-user check: two items joined into one English phrase)."""
+    from types import SimpleNamespace
+
+    run = progress.Run(["prepare", "evaluate"])
+    with run.stage("prepare") as st:
+        st.reused = ["the prepared dataset"]
+    with run.stage("evaluate") as st:  # what `said` sets from the stage's result
+        st.reused = progress.REUSED["evaluate"](SimpleNamespace(reused=True, baseline_reused=True))
+    assert run.reused == ["the prepared dataset", "the trained drafter's acceptance", "the untrained baseline"]
