@@ -54,6 +54,7 @@ def block_sparse_mask(
     from torch.nn.attention.flex_attention import create_block_mask
 
     pad = 0
+    groups = min(groups, anchors.shape[1])  # (a group per block at most: more would only add padding)
     if groups > 1:
         b, n = anchors.shape
         pad = -n % groups  # dropped blocks (keep False: they see only themselves) up to a multiple of groups
