@@ -311,7 +311,7 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
         est.train_tokens_per_s = tr.tokens_per_s * tr.params_per_token / (n_draft * h * h) * scale
         epochs = cfg.train.epochs
         est.train_gpu_hours = tokens * epochs / est.train_tokens_per_s / 3600
-        if params_per_token(report) < 0.5e9:
+        if params_per_token(report) < SMALL_TARGET:
             est.notes.append(
                 "the target is small: its speed is bound by per-batch overheads, not by FLOPs, so the GPU-hours "
                 "scaled from large targets are a lower bound"
@@ -346,6 +346,11 @@ def precision_bytes_per_token(est: StoreEstimate, logical: str) -> dict[str, flo
     return out
 
 
+# Parameters per token under which a target's speed is bound by per-batch overheads, not FLOPs: rates scaled from
+# the recorded large targets say nothing about it.
+SMALL_TARGET = 0.5e9
+
+
 def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical: str) -> tuple[dict | None, list[str]]:
     """(diskcheck.advise's figures, the plan's lines about them): plan.write_test_mib MiB written to the store's
     disk, compared with what each precision would produce at the estimated extraction rate of every GPU worker."""
@@ -366,6 +371,12 @@ def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical:
     lines = [f"disk write speed: {test.line()}"]
     if not est.extract_tokens_per_s:
         return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
+    if params_per_token(report) < SMALL_TARGET:  # (a fresh-user check: "863,577,085 tokens/s per H100", then int4)
+        return None, [
+            *lines,
+            "disk vs GPU: not compared (the target is small: the extraction rate scaled from large targets "
+            "overstates its speed, and so the bytes per second it would write)",
+        ]
     workers = max(1, sum(r.startswith("cuda") for r in report.replicas))
     advice = diskcheck.advise(
         test.bytes_per_s,
