@@ -30,6 +30,7 @@ from dflash_pipeline.dataprep.normalize import RowError, normalize_conversation
 from dflash_pipeline.dataprep.render import render
 from dflash_pipeline.dataprep.sources import BadLine, iter_rows, resolve_encoding, source_fingerprint
 from dflash_pipeline.errors import DataError
+from dflash_pipeline.fsmodes import as_made
 from dflash_pipeline.storage.commit import taking_turns
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,7 @@ def _build(cfg: DataConfig, source: str, tokenizer, fp: str, final: Path, progre
     ds = datasets.Dataset.from_dict(cols, features=features)
     num_shards = max(1, -(-n // cfg.rows_per_shard))
     tmp = Path(tempfile.mkdtemp(prefix=f".{fp}-", dir=final.parent))
+    as_made(tmp)
     try:
         ds.save_to_disk(str(tmp / "dataset"), num_shards=num_shards)
         _write_quarantine(tmp / "quarantine.jsonl", quarantine)

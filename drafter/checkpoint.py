@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dflash_pipeline.errors import ConfigError, PipelineError
+from dflash_pipeline.fsmodes import as_made
 from dflash_pipeline.storage.commit import exclusive_lock
 
 DONE = "DONE"
@@ -87,6 +88,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    as_made(tmp)
     try:
         torch.save(model.state_dict(), tmp / "drafter.pt")
         if "data" in state:

@@ -42,31 +42,17 @@ import torch
 
 from dflash_pipeline.drafter.model import FULL, DFlashDrafter, DraftSpec
 from dflash_pipeline.errors import ConfigError
+from dflash_pipeline.fsmodes import as_made
 
 CONFIG, WEIGHTS, META = "config.json", "model.safetensors", "dflash_meta.json"
 MODELING = "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    old = os.umask(0o022)  # not thread-safe, hence only the fallback
-    os.umask(old)
-    return old
-
-
 def _make_readable(directory: Path) -> None:
     """Give the directory and its files the modes a plain mkdir / open would (0o777 / 0o666 less the umask)."""
-    mask = _umask()
-    directory.chmod(0o777 & ~mask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~mask)
+    for p in (directory, *directory.iterdir()):
+        as_made(p)
 
 
 def hf_config(spec: DraftSpec, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -196,5 +182,5 @@ def update_meta(path: str | Path, **entries: Any) -> None:
     meta.update(entries)
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=2, default=str))
-    tmp.chmod(0o666 & ~_umask())
+    as_made(tmp)
     os.replace(tmp, f)

@@ -482,3 +482,18 @@ def test_prepare_summary_artifact_counts_histogram_and_share(tmp_path, tokenizer
     assert f"| supervised tokens | {res.n_supervised_tokens} ({share:.1f}%) |" in md
     (bin_,) = res.length_histogram
     assert f"| {bin_} | 1 |" in md and res.encoding == "utf-8"
+
+
+def test_the_prepared_dataset_directory_has_a_plain_directorys_mode(tmp_path, tokenizer):
+    """Made under a temporary name (mkdtemp: 0700) and renamed: a fresh-user check found it private to its owner
+    where a plain mkdir gives 0777 less the umask (a team's outputs)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        src = _write_jsonl(tmp_path / "d.jsonl", [{"messages": CONV}])
+        res = prepare_dataset(DataConfig(), str(src), tokenizer, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(Path(res.path).parent.stat().st_mode) == 0o755

@@ -51,3 +51,15 @@ def test_export_loads_with_automodel_and_matches(tmp_path, umask_022, types, win
         want = model(ctx, emb, pos[:, :s_len], pos[:, s_len:], model.block_masks(anchors, None, s_len))
         got = loaded(target_hidden=ctx, noise_embedding=emb, position_ids=pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_directory_has_a_plain_directorys_mode(tmp_path, umask_022):
+    """Written under a temporary name (mkdtemp: 0700) and renamed: a fresh-user check found checkpoints private to
+    their owner, where a plain mkdir gives 0777 less the umask."""
+    from dflash_pipeline.drafter.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, {}, keep=2)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
