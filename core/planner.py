@@ -107,6 +107,7 @@ class StoreEstimate:
     gpu: str | None
     gpu_source: str
     extract_tokens_per_s: float | None = None
+    small_target: bool = False  # under SMALL_TARGET parameters per token: the rates above are lower bounds of time
     extract_gpu_hours: float | None = None
     train_tokens_per_s: float | None = None
     train_gpu_hours: float | None = None
@@ -311,7 +312,8 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
         est.train_tokens_per_s = tr.tokens_per_s * tr.params_per_token / (n_draft * h * h) * scale
         epochs = cfg.train.epochs
         est.train_gpu_hours = tokens * epochs / est.train_tokens_per_s / 3600
-        if params_per_token(report) < SMALL_TARGET:
+        est.small_target = params_per_token(report) < SMALL_TARGET
+        if est.small_target:
             est.notes.append(
                 "the target is small: its speed is bound by per-batch overheads, not by FLOPs, so the GPU-hours "
                 "scaled from large targets are a lower bound"
@@ -371,7 +373,7 @@ def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical:
     lines = [f"disk write speed: {test.line()}"]
     if not est.extract_tokens_per_s:
         return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
-    if params_per_token(report) < SMALL_TARGET:  # (a fresh-user check: "863,577,085 tokens/s per H100", then int4)
+    if est.small_target:  # (a fresh-user check: "863,577,085 tokens/s per H100", then int4)
         return None, [
             *lines,
             "disk vs GPU: not compared (the target is small: the extraction rate scaled from large targets "
