@@ -346,15 +346,20 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
 
 
 def heal_failed_versions(store: Store) -> list[str]:
-    """Before a nightly run (extract.new_version) plans: the versions newer than CURRENT (all of them while nothing
-    is published) whose validation failed. One that failed on integrity (bytes that differ from their commit
-    records, missing files: a disk's damage, or a unit a snapshot shared from a damaged CURRENT) is repaired as
-    `verify --repair` would: its damaged units are discarded, so this run extracts exactly their samples again, and
-    every intact unit is kept (a damage hunt found a first version deleted whole, with every GPU-hour of it, for one
-    flipped byte). One whose bytes are intact but whose states failed a content check (non-finite, all-zero, unequal
-    to a fresh forward) is deleted: its data are not trusted, and the night starts again from CURRENT. A newer
-    version that never got as far as validation (a crash, a stop) is kept: the run resumes it from its commit
-    records. CURRENT itself is never touched. Returns the versions deleted."""
+    """Before a nightly run (extract.new_version) plans: the newest version of an identity, newer than CURRENT (any,
+    while nothing is published), whose validation failed (or whose validation record cannot be read) is healed, so
+    that this run extends it, never deleting what can be kept (damage hunts found a whole version deleted for one
+    flipped byte, for one non-finite value, for a hand-edited record):
+    - units whose bytes differ from their commit records (a disk's damage, or a unit a snapshot shared from a
+      damaged CURRENT) are discarded as `verify --repair` would, and extracted again by this run;
+    - with the bytes intact, units whose stored states failed a values check that names them (non-finite or
+      all-zero rows) are discarded and extracted again too;
+    - with the bytes intact, states that failed a check no unit is named by (unequal to a fresh forward, per-layer
+      statistics out of range) are not to be trusted anywhere: the version is deleted and the night starts again
+      from CURRENT;
+    - any other failure (or none recorded) is left to this run's validation, which names it again.
+    Older failed versions (a newer one of their identity exists) are left to pruning. CURRENT is never touched.
+    Returns the versions deleted."""
     from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.discard import discard_units
     from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
@@ -363,35 +368,63 @@ def heal_failed_versions(store: Store) -> list[str]:
     newer = versions[versions.index(current) + 1 :] if current in versions else versions
     deleted = []
     for v in newer:
-        record = store.loc.read_json(f"{v}/validation.json") or {}
-        if record.get("ok") is not False:
+        failed = _failed_checks(store, v)
+        if failed is None or not store.resumable(v):
             continue
-        failed = sorted({str(c.get("check")) for c in record.get("checks", []) if not c.get("ok")})
-        if "integrity" in failed and store.resumable(v):  # damage: the other failures may be its doing
-            report = verify_version(store, v)
-            for line in rebuild_plan_records(store, report):
-                log.warning("store version %s: %s", v, line)
-            damaged = report.damaged_units() if report.attributes_vouched else {}
-            if damaged:
-                discard_units(store, v, sorted(damaged), {u: why[0] for u, why in damaged.items()})
+        report = verify_version(store, v)
+        for line in rebuild_plan_records(store, report):
+            log.warning("store version %s: %s", v, line)
+        names = ", ".join(str(c.get("check")) for c in failed) or "no check recorded"
+        then = "run the nightly run again: it repairs the version first"
+        if report.damaged_units() and not report.attributes_vouched:
             log.warning(
-                "store version %s failed validation (%s): %s; this run extends it",
-                v,
-                ", ".join(failed),
-                f"{counted(len(damaged), 'damaged unit')} discarded ({', '.join(sorted(damaged))}), extracted again"
-                if damaged
-                else "no unit differs from its commit record now",
-            )
+                "store version %s failed validation (%s) and its version record is damaged: this run restores the "
+                "record, and the next nightly run (or `dflash-pipeline verify --version %s --repair`) discards the "
+                "damaged units %s",
+                v, names, v, ", ".join(sorted(report.damaged_units())),
+            )  # fmt: skip
             continue
-        log.warning(
-            "discarding store version %s: its validation failed (%s); this run starts again from %s",
-            v,
-            ", ".join(failed) or "no check recorded",
-            current or "an empty store",
-        )
-        store.delete_version(v)
-        deleted.append(v)
+        if damaged := report.damaged_units():
+            discard_units(store, v, sorted(damaged), {u: why[0] for u, why in damaged.items()}, then)
+            log.warning(
+                "store version %s failed validation (%s): %s discarded (%s), extracted again by this run, which "
+                "extends the version", v, names, counted(len(damaged), "damaged unit"), ", ".join(sorted(damaged)),
+            )  # fmt: skip
+            continue
+        states = [c for c in failed if c.get("states")]
+        named = sorted({u for c in states for u in c.get("units") or []} & set(store.units(v)))
+        if states and all(c.get("units") for c in states) and named:
+            discard_units(store, v, named, {u: f"its states failed validation ({names})" for u in named}, then)
+            log.warning(
+                "store version %s failed validation (%s): %s with such states discarded (%s), extracted again by "
+                "this run, which extends the version", v, names, counted(len(named), "unit"), ", ".join(named),
+            )  # fmt: skip
+        elif states:
+            log.warning(
+                "discarding store version %s: its stored states failed validation (%s) with its bytes intact, so "
+                "none of them is trusted; this run starts again from %s", v, names, current or "an empty store",
+            )  # fmt: skip
+            store.delete_version(v)
+            deleted.append(v)
+        else:
+            log.warning(
+                "store version %s failed validation (%s) with its bytes intact: this run extends it and validates it "
+                "again", v, names,
+            )  # fmt: skip
     return deleted
+
+
+def _failed_checks(store: Store, version: str) -> list[dict] | None:
+    """The failed checks of `version`'s validation record ([] when it failed naming none, or cannot be read: a
+    record a byte or an editor damaged); None when it passed or never ran."""
+    try:
+        record = store.loc.read_json(f"{version}/validation.json")
+    except (OSError, ValueError):
+        return []
+    if record is None or (isinstance(record, dict) and record.get("ok") is not False):
+        return None
+    checks = record.get("checks") if isinstance(record, dict) else None
+    return [c for c in checks if isinstance(c, dict) and c.get("ok") is False] if isinstance(checks, list) else []
 
 
 # ---- the order --------------------------------------------------------------------------------------------

@@ -66,8 +66,11 @@ class ValidationReport:
     def integrity_ok(self) -> bool:
         return all(c["ok"] for c in self.checks if c["check"] == "integrity")
 
-    def add(self, check: str, ok: bool, detail: str) -> None:
-        self.checks.append({"check": check, "ok": ok, "detail": detail})
+    def add(self, check: str, ok: bool, detail: str, *, states: bool = False, units: list[str] | None = None) -> None:
+        """`states`: a check of the stored states' values (a failure with intact bytes means they are not to be
+        trusted), `units`: the units a failed one found them in, when it can say (a nightly run discards those)."""
+        entry = {"check": check, "ok": ok, "detail": detail}
+        self.checks.append(entry | ({"states": True} if states else {}) | ({"units": units} if units else {}))
         if not ok:
             log.error("validation check %s failed: %s", check, detail)
 
@@ -234,7 +237,7 @@ def validate_store(
     acc = _new_acc(len(k_ids))
     acc_last = _new_acc(1)
     meta_errors, id_errors, mask_errors = [], [], []
-    value_problem = None
+    value_problem, value_units = None, []
     t0 = time.monotonic()
     for ui, u in enumerate(units, start=1):
         if u in bad_units or u not in unit_attrs:
@@ -264,6 +267,8 @@ def validate_store(
         except Exception as e:  # noqa: BLE001 - whatever is wrong with the unit is a line, not a crash
             report.add("readable", False, f"unit {u}: {type(e).__name__}: {e}")
             continue
+        if bad:
+            value_units.append(u)
         if bad and value_problem is None:
             kind, tok, layer = bad
             value_problem = f"{kind} in sample {_sample_at(ua['samples'], tok)} (unit {u}, token {tok}), layer {layer}"
@@ -287,7 +292,15 @@ def validate_store(
     )
     report.add("input_ids equal the prepared ones", not id_errors, "; ".join(id_errors[:3]) or "all equal")
     report.add("loss_mask equals the prepared one", not mask_errors, "; ".join(mask_errors[:3]) or "all equal")
-    report.add("values finite, no zero/constant rows", value_problem is None, value_problem or "clean")
+    report.add(
+        "values finite, no zero/constant rows",
+        value_problem is None,
+        (value_problem + (f" (units with such rows: {', '.join(value_units)})" if len(value_units) > 1 else ""))
+        if value_problem
+        else "clean",
+        states=True,
+        units=value_units,
+    )
     for j, lid in enumerate(labels):
         a, jj = (acc, j) if j < len(k_ids) else (acc_last, 0)
         n = max(a["n"], 1)
@@ -308,6 +321,7 @@ def validate_store(
         not insane,
         "; ".join(f"layer {s['layer_id']} std {s['std']:.3g} outside (1e-3, 1e5)" for s in insane)
         or "std within (1e-3, 1e5)",
+        states=True,
     )
 
     # --- recompute ---------------------------------------------------------------------------------
@@ -316,7 +330,7 @@ def validate_store(
         try:
             _recompute(store, version, attrs, healthy, cfg, model, device, report)
         except Exception as e:  # noqa: BLE001 - e.g. a chunk that cannot be decoded
-            report.add("recompute", False, f"{type(e).__name__}: {e}")
+            report.add("recompute", False, f"{type(e).__name__}: {e}", states=True)
     return report
 
 
@@ -416,7 +430,7 @@ def _recompute(store, version, attrs, where, cfg, model, device, report) -> None
     finally:
         handle.remove()
     within = f"within {tol:.0e}" + ("" if precision == "full" else f" + the {precision} quantization bound")
-    report.add(f"{len(picks)} samples equal a fresh batch-1 forward", worst is None, worst or within)
+    report.add(f"{len(picks)} samples equal a fresh batch-1 forward", worst is None, worst or within, states=True)
 
 
 def raise_if_failed(report: ValidationReport) -> None:

@@ -89,7 +89,13 @@ def empty_trash(store: Store, version: str) -> None:
         trash.rmdir()  # empty now (else what could not be deleted stays, logged above)
 
 
-def discard_units(store: Store, version: str, units: list[str], why: dict[str, str] | None = None) -> None:
+def discard_units(
+    store: Store,
+    version: str,
+    units: list[str],
+    why: dict[str, str] | None = None,
+    then: str = "run `dflash-pipeline verify --repair` again",
+) -> None:
     """Delete these units' directories, keeping their plan records: the next extraction of this version creates
     them again from the records and recomputes exactly their samples. `why` ({unit: problem}, from `verify
     --repair`): each unit is recorded in `<version>/discarded.json` until a run rebuilds it.
@@ -97,8 +103,8 @@ def discard_units(store: Store, version: str, units: list[str], why: dict[str, s
     A unit leaves the store in one step, so it is never half-deleted: a local unit directory is first renamed out
     of `units/` (to `<version>/.discarded/<unit>.<n>`), then deleted. A failure raises StoreError (one line: the
     file, the error, what state the unit is in). Nothing is discarded while another process reads the version
-    (`refuse_while_read`)."""
-    refuse_while_read(store, version, units, "run `dflash-pipeline verify --repair` again")
+    (`refuse_while_read`; `then`: what to run once they are gone)."""
+    refuse_while_read(store, version, units, then)
     empty_trash(store, version)
     for u in units:
         rel = f"{version}/units/{u}"

@@ -27,11 +27,16 @@ NIGHTLY = {
 
 class BadNight(LocalRunner):
     """Validation finds a problem that the store's own integrity checks cannot (what a broken extractor writes
-    is committed with matching digests): the version is recorded as failed."""
+    is committed with matching digests): the version is recorded as failed, on its stored states (in `units`, when
+    given: as the values check names them)."""
+
+    def __init__(self, units: list[str] | None = None):
+        super().__init__()
+        self.units = units
 
     def validate(self, cfg, report, prepared, version):
         result = stages.validate(cfg, report, prepared, version)
-        result.add("injected", False, "wrong hidden states (test)")
+        result.add("injected", False, "wrong hidden states (test)", states=True, units=self.units)
         Store(cfg.store).loc.write_atomic(f"{version}/validation.json", json.dumps(result.to_dict()).encode())
         return result
 
@@ -110,3 +115,31 @@ def test_damage_a_snapshot_shared_from_current_is_repaired_by_the_next_night(mod
     shared = [f for f in old if not f.startswith("u00000/") and "/c/" in f]
     assert shared and all(new[f] == old[f] for f in shared)  # the intact units are still shared, not copied
     assert len(HiddenStateDataset(root)) == 14
+
+
+def test_states_that_failed_in_named_units_cost_those_units_only(model_dir, tmp_path):
+    """A values check that names its units (non-finite or all-zero rows, with intact bytes): the next night discards
+    and extracts those units again, not the whole version (a damage hunt: one NaN cost a whole first version)."""
+    root = tmp_path / "store"
+    with pytest.raises(ValidationFailed):
+        night(tmp_path, 10, BadNight(["u00001"]), **{"extract.unit_tokens": 300})
+    before = _inodes(root, "v0001")
+    summary = night(tmp_path, 12)
+    assert summary.version == summary.current == "v0001" and summary.validation == "PASS"
+    after = _inodes(root, "v0001")
+    assert all(after[f] == before[f] for f in before if not f.startswith("u00001/") and "/c/" in f)
+    assert after["u00001/hidden/c/0/0/0"] != before["u00001/hidden/c/0/0/0"]
+
+
+@pytest.mark.parametrize("record", ['{"ok": false}', '{"ok": false, "checks": [', '{"ok": false, "checks": null}'])
+def test_a_validation_record_that_says_nothing_usable_deletes_nothing(model_dir, tmp_path, record):
+    """A record edited by hand, or cut by one damaged byte (a damage hunt: the whole first version deleted, or a
+    traceback): nothing is deleted on it; the night extends the version and validation decides again."""
+    night(tmp_path, 10, stages=["prepare", "probe", "extract"])
+    root = tmp_path / "store"
+    (root / "v0001/validation.json").write_text(record)
+    before = _inodes(root, "v0001")
+    summary = night(tmp_path, 12)
+    assert summary.version == summary.current == "v0001" and summary.validation == "PASS"
+    after = _inodes(root, "v0001")
+    assert all(after[f] == before[f] for f in before)  # nothing extracted again
