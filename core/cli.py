@@ -119,6 +119,8 @@ def summary_lines(s, seconds: float) -> list[str]:
             f"store: {shown(s.store)} version {s.version or s.current} ({what}validation {s.validation or 'not run'}"
             f"{published}); read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
         )
+    if s.pruned:  # (extract.keep_versions: the run-summary artifact says so too)
+        lines.append(f"pruned older store versions: {', '.join(s.pruned)} (extract.keep_versions)")
     if s.drafter:
         lines.append(f"drafter: {shown(s.drafter)}" + (f" (final loss {s.final_loss:.3f})" if s.final_loss else ""))
     if s.acceptance_length is not None:

@@ -49,6 +49,11 @@ def test_the_store_line_names_the_version_written_not_the_published_one():
     assert "CURRENT" not in _store_line(new_samples=1, tokens_extracted=10)  # validated and published: the same
 
 
+def test_the_summary_says_which_versions_were_pruned():
+    s = RunSummary(output_dir="out", store="s", version="v0003", current="v0003", validation="PASS", pruned=["v0001"])
+    assert "pruned older store versions: v0001 (extract.keep_versions)" in summary_lines(s, 1.0)
+
+
 def test_plan_prints_its_report_and_warnings_only():
     """`plan`'s output is its report: the stages' INFO lines (the prepare stage's summary, with its Python dicts)
     belong to a run's UI, not under the report; warnings still show, as one line each."""
