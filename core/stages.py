@@ -41,6 +41,7 @@ from dflash_pipeline.extraction.probe import probe as probe_target
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.extraction.tokenizer import load_tokenizer
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
+from dflash_pipeline.storage.heal import heal_failed_versions
 from dflash_pipeline.storage.location import is_resource_error
 from dflash_pipeline.storage.store import PlanResult, Store
 
@@ -343,88 +344,6 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
         raise PipelineError(f"no exported drafter at {export_dir!r}: run the train stage first")
     with gpu_locks(_one_device(cfg.evaluate.device), f"evaluating {export_dir}", "evaluate.device"):
         return evaluate_export(export_dir, report, cfg.evaluate, baseline=True)
-
-
-def heal_failed_versions(store: Store) -> list[str]:
-    """Before a nightly run (extract.new_version) plans: the newest version of an identity, newer than CURRENT (any,
-    while nothing is published), whose validation failed (or whose validation record cannot be read) is healed, so
-    that this run extends it, never deleting what can be kept (damage hunts found a whole version deleted for one
-    flipped byte, for one non-finite value, for a hand-edited record):
-    - units whose bytes differ from their commit records (a disk's damage, or a unit a snapshot shared from a
-      damaged CURRENT) are discarded as `verify --repair` would, and extracted again by this run;
-    - with the bytes intact, units whose stored states failed a values check that names them (non-finite or
-      all-zero rows) are discarded and extracted again too;
-    - with the bytes intact, states that failed a check no unit is named by (unequal to a fresh forward, per-layer
-      statistics out of range) are not to be trusted anywhere: the version is deleted and the night starts again
-      from CURRENT;
-    - any other failure (or none recorded) is left to this run's validation, which names it again.
-    Older failed versions (a newer one of their identity exists) are left to pruning. CURRENT is never touched.
-    Returns the versions deleted."""
-    from dflash_pipeline.progress import counted
-    from dflash_pipeline.storage.discard import discard_units
-    from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
-
-    current, versions = store.current(), store.versions()
-    newer = versions[versions.index(current) + 1 :] if current in versions else versions
-    deleted = []
-    for v in newer:
-        failed = _failed_checks(store, v)
-        if failed is None or not store.resumable(v):
-            continue
-        report = verify_version(store, v)
-        for line in rebuild_plan_records(store, report):
-            log.warning("store version %s: %s", v, line)
-        names = ", ".join(str(c.get("check")) for c in failed) or "no check recorded"
-        then = "run the nightly run again: it repairs the version first"
-        if report.damaged_units() and not report.attributes_vouched:
-            log.warning(
-                "store version %s failed validation (%s) and its version record is damaged: this run restores the "
-                "record, and the next nightly run (or `dflash-pipeline verify --version %s --repair`) discards the "
-                "damaged units %s",
-                v, names, v, ", ".join(sorted(report.damaged_units())),
-            )  # fmt: skip
-            continue
-        if damaged := report.damaged_units():
-            discard_units(store, v, sorted(damaged), {u: why[0] for u, why in damaged.items()}, then)
-            log.warning(
-                "store version %s failed validation (%s): %s discarded (%s), extracted again by this run, which "
-                "extends the version", v, names, counted(len(damaged), "damaged unit"), ", ".join(sorted(damaged)),
-            )  # fmt: skip
-            continue
-        states = [c for c in failed if c.get("states")]
-        named = sorted({u for c in states for u in c.get("units") or []} & set(store.units(v)))
-        if states and all(c.get("units") for c in states) and named:
-            discard_units(store, v, named, {u: f"its states failed validation ({names})" for u in named}, then)
-            log.warning(
-                "store version %s failed validation (%s): %s with such states discarded (%s), extracted again by "
-                "this run, which extends the version", v, names, counted(len(named), "unit"), ", ".join(named),
-            )  # fmt: skip
-        elif states:
-            log.warning(
-                "discarding store version %s: its stored states failed validation (%s) with its bytes intact, so "
-                "none of them is trusted; this run starts again from %s", v, names, current or "an empty store",
-            )  # fmt: skip
-            store.delete_version(v)
-            deleted.append(v)
-        else:
-            log.warning(
-                "store version %s failed validation (%s) with its bytes intact: this run extends it and validates it "
-                "again", v, names,
-            )  # fmt: skip
-    return deleted
-
-
-def _failed_checks(store: Store, version: str) -> list[dict] | None:
-    """The failed checks of `version`'s validation record ([] when it failed naming none, or cannot be read: a
-    record a byte or an editor damaged); None when it passed or never ran."""
-    try:
-        record = store.loc.read_json(f"{version}/validation.json")
-    except (OSError, ValueError):
-        return []
-    if record is None or (isinstance(record, dict) and record.get("ok") is not False):
-        return None
-    checks = record.get("checks") if isinstance(record, dict) else None
-    return [c for c in checks if isinstance(c, dict) and c.get("ok") is False] if isinstance(checks, list) else []
 
 
 # ---- the order --------------------------------------------------------------------------------------------
