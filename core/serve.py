@@ -494,7 +494,7 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
         print(
             f"Prefect UI: http://127.0.0.1:{port}  (API {lp.api_url}; database {db}; Prefect home "
             f"{where}; logs under {lp.log_dir})\n"
-            f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC)\n"
+            f"deployments: dflash-pipeline/full, extract-only, train-only, nightly (02:00 UTC), from {PREFECT_FILE}\n"
             f"trigger: PREFECT_API_URL={lp.api_url} {_prefect_command()} deployment run "
             "'dflash-pipeline/extract-only' "
             "-p overrides='{\"data.max_samples\": 100}'\nCtrl-C (or SIGTERM / SIGHUP) stops the worker, its runs "

@@ -32,7 +32,7 @@ from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.errors import ConfigError, PipelineError, StoreError
+from dflash_pipeline.errors import ConfigError, PipelineError, StoreError, ValidationFailed
 from dflash_pipeline.extraction.devicelock import check_gpus_free, gpu_locks
 from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
 from dflash_pipeline.extraction.plan import assign_units, pin_token_budget, plan_extraction, store_dtype
@@ -378,6 +378,15 @@ class RunSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def record_failure(self, e: BaseException) -> None:
+        """What a run that failed with `e` leaves known: a validation that raised failed (its report never came
+        back as a result), and CURRENT is where it was (a failed run never moves it; a fresh-user check found
+        failed nights' summaries saying 'validation not run' and 'CURRENT after: None')."""
+        if isinstance(e, ValidationFailed) and self.validation is None:
+            self.validation = "FAIL"
+        if self.current is None:
+            self.current = self.previous_current
 
 
 class Runner(Protocol):

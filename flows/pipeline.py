@@ -154,6 +154,7 @@ def _publish_failure(summary: RunSummary, stage: str | None, e: BaseException) -
     """The run-summary artifact of a failed (or stopped) run: what was done, which stage failed and why. A failed
     night published none before. Never hides the run's own error."""
     why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    summary.record_failure(e)
     try:
         publish_run_summary(summary, f"{stage or 'before the first stage'}: {why}")
     except Exception as err:  # noqa: BLE001 - no API any more (a stop): the run's error is what matters

@@ -26,13 +26,28 @@ def heal_failed_versions(store: Store) -> list[str]:
       statistics out of range) are not to be trusted anywhere: the version is deleted and the night starts again
       from CURRENT;
     - any other failure (or none recorded) is left to this run's validation, which names it again.
-    Older failed versions (a newer one of their identity exists) are left to pruning. CURRENT is never touched.
+    CURRENT, when it failed a later validation, is healed the same way in a new version made from it (CURRENT's own
+    files never change). Older failed versions (a newer one of their identity exists) are left to pruning.
     Returns the versions deleted."""
     current, versions = store.current(), store.versions()
     newer = versions[versions.index(current) + 1 :] if current in versions else versions
+    inherited: dict[str, list[dict]] = {}
+    if current in versions and store.resumable(current) and (failed := _failed_checks(store, current)) is not None:
+        # CURRENT itself failed a later validation (a night with no new rows validates it in place): its readers are
+        # refused until a validated version replaces it. A new version made from it (its units shared) is healed
+        # instead: CURRENT's files are never changed (a fresh-user check: every such night failed the same way).
+        from dflash_pipeline.storage.snapshot import snapshot
+
+        made = snapshot(store, current)
+        log.warning(
+            "the published version %s failed validation (%s): this run heals %s, a new version sharing its units",
+            current, ", ".join(str(c.get("check")) for c in failed) or "no check recorded", made,
+        )  # fmt: skip
+        inherited[made] = failed
+        newer = [*newer, made]
     deleted = []
     for v in newer:
-        failed = _failed_checks(store, v)
+        failed = inherited.get(v, _failed_checks(store, v))
         if failed is None or not store.resumable(v):
             continue
         report = verify_version(store, v)

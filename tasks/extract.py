@@ -121,7 +121,7 @@ def run_summary_markdown(summary: RunSummary, failure: str | None = None) -> str
     promoted = s.current == s.version != s.previous_current
     rows = [
         ("store", f"`{s.store}`"),
-        ("version written", s.version),
+        ("version extracted into (or checked)", s.version),
         ("CURRENT before / after", f"{s.previous_current} / {s.current}" + (" (promoted)" if promoted else "")),
         ("new samples", s.new_samples),
         ("new units", s.new_units),

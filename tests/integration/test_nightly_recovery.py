@@ -143,3 +143,26 @@ def test_a_validation_record_that_says_nothing_usable_deletes_nothing(model_dir,
     assert summary.version == summary.current == "v0001" and summary.validation == "PASS"
     after = _inodes(root, "v0001")
     assert all(after[f] == before[f] for f in before)  # nothing extracted again
+
+
+def test_damage_in_the_published_version_is_healed_on_a_night_without_new_rows(model_dir, tmp_path):
+    """No new rows: the night validates CURRENT in place, which fails on the damage (its readers are refused from
+    then on). The night after makes a new version from it, extracts the damaged unit again there and publishes it;
+    before, every such night failed the same way (a fresh-user check of the nightly deployment)."""
+    rows = {"extract.unit_tokens": 300}
+    assert night(tmp_path, 10, **rows).current == "v0001"
+    root = tmp_path / "store"
+    _flip(root / "v0001/units/u00000/hidden/c/0/0/0")
+    with pytest.raises(ValidationFailed, match="content differs"):
+        night(tmp_path, 10, **rows)
+    store = Store(root)
+    assert store.current() == "v0001" and store.versions() == ["v0001"]
+    damaged = _inodes(root, "v0001")
+    summary = night(tmp_path, 10, **rows)
+    assert summary.version == summary.current == "v0002" and summary.validation == "PASS"
+    assert _inodes(root, "v0001") == damaged  # the published version's files never change
+    new = _inodes(root, "v0002")
+    assert new["u00000/hidden/c/0/0/0"] != damaged["u00000/hidden/c/0/0/0"]
+    shared = [f for f in damaged if not f.startswith("u00000/") and "/c/" in f]
+    assert shared and all(new[f] == damaged[f] for f in shared)
+    assert len(HiddenStateDataset(root)) == 10

@@ -95,3 +95,16 @@ def test_output_into_a_closed_pipe_stops_quietly():
     finally:
         os.close(w)
     assert res.returncode == 141 and res.stderr == "", res.stderr[-500:]
+
+
+def test_a_failed_validation_leaves_its_summary_saying_so():
+    """A night whose validation failed: its run-summary said 'validation not run' and 'CURRENT after: None' while
+    CURRENT still named the published version (a fresh-user check of the nightly deployment)."""
+    from dflash_pipeline.errors import StoreError, ValidationFailed
+
+    s = RunSummary(output_dir="out", store="s", version="v0002", previous_current="v0002")
+    s.record_failure(ValidationFailed("store v0002 failed validation: integrity: ..."))
+    assert s.validation == "FAIL" and s.current == "v0002"
+    other = RunSummary(output_dir="out", store="s", previous_current="v0001")
+    other.record_failure(StoreError("the store lock is held"))
+    assert other.validation is None and other.current == "v0001"
