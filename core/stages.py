@@ -11,13 +11,11 @@ the stage functions directly. So a change to the pipeline's shape is made here, 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +30,7 @@ from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.regenerate import regenerate as regenerate_responses
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.embedded import resolve_model, resolve_source
-from dflash_pipeline.errors import ConfigError, PipelineError, StoreError, ValidationFailed
+from dflash_pipeline.errors import ConfigError, PipelineError, StoreError
 from dflash_pipeline.extraction.devicelock import check_gpus_free, gpu_locks
 from dflash_pipeline.extraction.extract import Progress, WorkerResult, run_worker
 from dflash_pipeline.extraction.plan import assign_units, pin_token_budget, plan_extraction, store_dtype
@@ -44,6 +42,7 @@ from dflash_pipeline.extraction.validate import ValidationReport, raise_if_faile
 from dflash_pipeline.storage.heal import heal_failed_versions
 from dflash_pipeline.storage.location import is_resource_error
 from dflash_pipeline.storage.store import PlanResult, Store
+from dflash_pipeline.summary import RunSummary
 
 log = logging.getLogger(__name__)
 # How long a run waits for the store lock when its holder is retention deleting data (storage/store.py `Store.lock`);
@@ -347,48 +346,6 @@ def evaluate(cfg: RunConfig, report: ProbeReport, export_dir: str) -> Acceptance
 
 
 # ---- the order --------------------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class RunSummary:
-    """What a run did; the CLI prints it, the flow returns it, the summary artifact shows it."""
-
-    output_dir: str
-    store: str
-    layer_ids: list[int] = field(default_factory=list)
-    regenerated: str | None = None
-    prepared: str | None = None
-    version: str | None = None
-    planned_store_bytes: int | None = None  # the pre-flight plan's store size (core/planner.py)
-    units: int | None = None
-    new_units: int | None = None
-    new_samples: int | None = None
-    tokens_extracted: int | None = None
-    forward_passes: int | None = None
-    previous_current: str | None = None
-    current: str | None = None
-    validation: str | None = None  # PASS / FAIL, None when not run
-    pruned: list[str] = field(default_factory=list)
-    drafter: str | None = None
-    retention: str | None = None  # what retention.mode deleted (None: keep)
-    bytes_freed: int | None = None  # by retention, from the trained version so far
-    final_loss: float | None = None
-    acceptance_length: float | None = None
-    untrained_acceptance_length: float | None = None
-    acceptance_by: dict[str, dict[str, float]] = field(default_factory=dict)  # evaluate.slice_by: {field: {value: tau}}
-    reused: list[str] = field(default_factory=list)  # what this run reused of earlier ones (core/progress.py)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def record_failure(self, e: BaseException) -> None:
-        """What a run that failed with `e` leaves known: a validation that raised failed (its report never came
-        back as a result), and CURRENT is where it was (a failed run never moves it; a fresh-user check found
-        failed nights' summaries saying 'validation not run' and 'CURRENT after: None')."""
-        if isinstance(e, ValidationFailed) and self.validation is None:
-            self.validation = "FAIL"
-        if self.current is None:
-            self.current = self.previous_current
-
-
 class Runner(Protocol):
     """How each stage runs: directly (LocalRunner) or as a Prefect task (flows/pipeline.py)."""
 

@@ -38,8 +38,8 @@ from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.runguard import raise_if_stopped, stops_remembered
-from dflash_pipeline.stages import RunSummary
 from dflash_pipeline.storage.store import PlanResult
+from dflash_pipeline.summary import RunSummary
 from dflash_pipeline.tasks.common import artifact_key, artifacts_of_store, run_logger
 from dflash_pipeline.tasks.drafter import evaluate_task, regenerate_task, train_task
 from dflash_pipeline.tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput

@@ -19,8 +19,8 @@ from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.extract import Progress, WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.spec import WorkerSpec
-from dflash_pipeline.stages import RunSummary
 from dflash_pipeline.storage.store import PlanResult
+from dflash_pipeline.summary import RunSummary
 from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, run_logger
 
 
