@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,11 +125,19 @@ def exclusive_lock(path: Path, holder: str, busy: Callable[[str], Exception]) ->
     import fcntl
 
     with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise busy(f.read().strip() or "unknown") from None
+        # An empty file under a taken lock is a holder between its flock and its write, or between its
+        # truncate and its unlock: moments, so look again before naming no one (or missing a release).
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                recorded = f.read().strip()
+                if recorded or time.monotonic() >= deadline:
+                    raise busy(recorded or "unknown") from None
+                time.sleep(0.01)
         f.seek(0)
         f.truncate()
         try:
