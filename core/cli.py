@@ -32,7 +32,7 @@ def _quiet_libraries() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from dflash_pipeline.config import load_config, parse_override
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.runguard import guarded_run
+    from dflash_pipeline.runguard import guarded_run, raise_if_stopped
 
     started = time.monotonic()
     try:
@@ -49,13 +49,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             prefect_home()
         with guarded_run(debug=args.debug):  # SIGTERM/SIGHUP act as Ctrl-C; nothing outlives even a SIGKILL
             server = _start_temporary_server()  # its ~10-20 s start overlaps the imports below
+            from prefect.exceptions import CancelledRun
+
             from dflash_pipeline import progress
             from dflash_pipeline.flows.pipeline import dflash_pipeline
 
             if server is not None:
                 server.join()
             with progress.showing(progress.display_for(sys.stderr)):
-                summary = dflash_pipeline(config_path=args.config, overrides=dict(parse_override(s) for s in args.set))
+                try:
+                    overrides = dict(parse_override(s) for s in args.set)
+                    summary = dflash_pipeline(config_path=args.config, overrides=overrides)
+                except CancelledRun:
+                    raise_if_stopped()  # the run ended Cancelled because we asked it to stop: say so, exit 130
+                    raise
     except PipelineError as e:
         if args.debug:
             import traceback

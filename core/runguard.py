@@ -67,6 +67,11 @@ def raise_if_stopped() -> None:
         raise _interrupt()
 
 
+def stop_asked() -> str | None:
+    """What the CLI's stop signal says ("" for Ctrl-C, "SIGTERM", "SIGHUP"), or None if no stop was asked."""
+    return None if _stop is None else str(_interrupt())
+
+
 @contextmanager
 def stops_remembered():
     """In a guarded run's main thread: a SIGTERM is recorded, then handed to the handler in place (inside a flow run,
@@ -126,13 +131,39 @@ def watch_worker() -> None:
 
 class _NoUserErrorTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        from dflash_pipeline.errors import PipelineError
-
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, PipelineError) or type(exc).__name__ == "WorkerCrashed":  # both say what happened
+        if _user_error(exc):
             record.exc_info, record.exc_text = None, None
             reported(exc)
         return "Encountered exception during execution" not in record.getMessage() or exc is None
+
+
+def _user_error(exc: BaseException | None) -> bool:
+    from dflash_pipeline.errors import PipelineError
+
+    return isinstance(exc, PipelineError) or type(exc).__name__ == "WorkerCrashed"  # both say what happened
+
+
+class _UserErrorLine(logging.Filter):
+    """Prefect's record of a user error keeps its line (which says what is wrong and the fix) and loses the
+    traceback; any other exception keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _user_error(record.exc_info[1] if record.exc_info else None):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_user_errors() -> None:
+    """For a flow run the CLI does not guard (a deployment's, in the process a Prefect worker started for it): a
+    user error is one line in the worker's log and the UI, not a traceback through Prefect's engine. Stays for the
+    process (Prefect logs the flow's failure after the flow function has returned); added once."""
+    if _guarding:
+        return
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _UserErrorLine) for f in lg.filters):
+            lg.addFilter(_UserErrorLine())
 
 
 _reported: set[str] = set()  # the start of each error the CLI prints itself (seen by _NoUserErrorTraceback)
@@ -152,6 +183,7 @@ _STOP_CRASHES = (
     "Execution was aborted by an interrupt signal",
     "Execution was aborted by a termination signal",
     "exception WorkerStopped:",
+    "`dflash-pipeline run` stopped (",  # the flow's own Cancelled state of a stop (flows/pipeline.py)
 )
 
 

@@ -37,7 +37,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.runguard import raise_if_stopped, stops_remembered
+from dflash_pipeline.runguard import quiet_user_errors, raise_if_stopped, stop_asked, stops_remembered
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.summary import RunSummary
 from dflash_pipeline.tasks.common import artifact_key, artifacts_of_store, run_logger
@@ -125,6 +125,7 @@ def dflash_pipeline(
     the deployment's fixed `preset` (its stages and store policy), which they may not contradict."""
     from prefect.runtime import deployment
 
+    quiet_user_errors()
     who = f"the {deployment.name} deployment" if deployment.name else "the preset"
     cfg = load_config(config_path, compose_overrides(preset, overrides, who))
     procs.allow_workers()
@@ -145,6 +146,12 @@ def dflash_pipeline(
             # The worker's SIGTERM of a cancelled run (UI, `prefect flow-run cancel`): end as Cancelled, not as a
             # crash. Nothing is retried; a new run resumes from the store's commit records and the last checkpoint.
             return Cancelled(message="cancelled: stopped at a commit / checkpoint; a new run resumes from there")
+        said = stop_asked()
+        if said is not None:  # the CLI's Ctrl-C, SIGTERM or SIGHUP: a stop asked for, as a cancel is, not a crash
+            return Cancelled(
+                message=f"`dflash-pipeline run` stopped ({said or 'Ctrl-C'}) at a commit / checkpoint; running the "
+                "same command again resumes from there"
+            )
         raise
     run_logger().info("pipeline done: %s", summary.to_dict())
     return summary

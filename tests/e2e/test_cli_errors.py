@@ -330,3 +330,16 @@ def test_ctrl_c_prints_the_stop_message_without_prefects_crash_lines(model_dir, 
     assert "Crash detected" not in err and "Finished in state Crashed" not in err, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     assert err.rstrip().splitlines()[-1].startswith("stopped (Ctrl-C): what was committed"), err[-3000:]
+    # the UI shows a stop the user asked for as Cancelled, as a cancel from the UI (it was Crashed)
+    state = _state_of_run_into(f"{tmp_path}/out")
+    assert state.is_cancelled() and "`dflash-pipeline run` stopped (Ctrl-C)" in state.message, state
+
+
+def _state_of_run_into(output_dir: str):
+    """The state of the flow run (on the harness's server) whose overrides write to `output_dir`."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(limit=200)
+    (run,) = [r for r in runs if (r.parameters.get("overrides") or {}).get("output_dir") == output_dir]
+    return run.state

@@ -152,6 +152,8 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
     fr = _wait(server, conflict)
     assert fr.state.is_failed() and "extract-only deployment fixes stages" in fr.state.message, fr.state
     assert not (tmp_path / "x").exists()  # nothing was done
+    said = [r.message for r in _logs(server, conflict)]  # the user's mistake is one line in the UI, no traceback
+    assert any("fixes stages" in m for m in said) and not any("Traceback" in m for m in said), said
 
     fr = _wait(server, train_only)
     assert fr.state.is_completed(), fr.state

@@ -43,3 +43,36 @@ def test_a_user_error_a_task_with_retries_does_not_retry_is_not_repeated():
     assert retry_unless_user_error(None, None, _FailedState(OSError("transient"))) is True  # retried: not reported
     assert not any("transient" in t for t in runguard._reported)
     runguard._reported.clear()
+
+
+def _record_with(exc: BaseException) -> logging.LogRecord:
+    try:
+        raise exc
+    except type(exc):
+        pass
+    info = (type(exc), exc, exc.__traceback__)
+    return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Encountered exception", None, info)
+
+
+def test_a_deployment_run_logs_a_user_error_as_its_line_and_any_other_error_with_its_traceback():
+    """A flow run the CLI does not guard (a deployment's) adds the filter once; the formatted record of a user
+    error is its line only, a real crash keeps its traceback."""
+    from dflash_pipeline.errors import ConfigError
+
+    lg = logging.getLogger("prefect.flow_runs")
+    before = list(lg.filters)
+    try:
+        runguard.quiet_user_errors()
+        runguard.quiet_user_errors()
+        added = [f for f in lg.filters if f not in before]
+        assert len(added) == 1
+        fmt = logging.Formatter("%(message)s")
+        user = _record_with(ConfigError("overrides sets stages=[...]: drop stages from overrides"))
+        crash = _record_with(ZeroDivisionError("division by zero"))
+        assert added[0].filter(user) and added[0].filter(crash)  # both are logged
+        assert fmt.format(user) == "Encountered exception"
+        assert "Traceback" in fmt.format(crash) and "ZeroDivisionError" in fmt.format(crash)
+    finally:
+        for f in lg.filters[:]:
+            if f not in before:
+                lg.removeFilter(f)
