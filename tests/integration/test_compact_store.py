@@ -148,6 +148,39 @@ def test_third_party_decode_with_plain_zarr_equals_the_reader(stores, precision)
         np.testing.assert_array_equal(decoded[item["sample_id"]], item["hidden"].numpy())
 
 
+def _read_as_documented(root: Path) -> list[tuple[str, np.ndarray]]:
+    """docs/STORE.md, "Reading without this package", run as written on `root` (its `root = ...` line names the
+    store), with one line added after its read of `hidden` to record what it read."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "STORE.md").read_text(), flags=re.S)
+    code = next(b for b in blocks if 'open(f"{root}/CURRENT")' in b)
+    root_line = next(line for line in code.splitlines() if line.startswith("root = "))
+    rest = code.replace(root_line, "")
+    read_line = '        h = unit["hidden"][start : start + length]'
+    assert read_line in rest
+    seen: list = []
+    exec(rest.replace(read_line, f"{read_line}\n        seen.append((sid, h))"), {"root": str(root), "seen": seen})
+    return seen
+
+
+def test_the_documented_plain_zarr_recipe_reads_every_committed_sample_and_skips_an_uncommitted_unit(stores, tmp_path):
+    """The recipe a user copies from docs/STORE.md reads what the reader reads; a unit planned but with nothing
+    committed yet (no commit.json: extraction under way) is skipped, not a crash (a doc-only reader check)."""
+    import shutil
+
+    ds = HiddenStateDataset(stores["full"].store)
+    seen = _read_as_documented(Path(stores["full"].store))
+    assert [sid for sid, _ in seen] == [s.sample_id for s in ds.samples]
+    for sid, h in seen:
+        assert np.array_equal(h, ds[ds.index_of(sid)]["hidden"].numpy())
+    copy = tmp_path / "store"
+    shutil.copytree(stores["full"].store, copy)
+    version = (copy / "CURRENT").read_text().strip()
+    first = sorted((copy / version / "units").iterdir())[0]
+    (first / "commit.json").unlink()
+    left = _read_as_documented(copy)
+    assert 0 < len(left) < len(seen) and {sid for sid, _ in left} < {sid for sid, _ in seen}
+
+
 def test_e4m3_table_is_torchs_float8_e4m3fn():
     ref = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
     assert np.array_equal(quant.e4m3fn_table(), ref, equal_nan=True)
