@@ -131,8 +131,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sp
 
 
 # What a drafter directory's training reads: a checkpoint of another store version, store or target is another
-# training (a new store version after a nightly run, another target), never one to resume.
-DATA_KEYS = ("store", "store_version", "target")
+# training (a new store version after a nightly run, another target), never one to resume; so is one of the same
+# version before units of it were discarded as damaged and rebuilt (`repairs`: their number, storage/discard.py),
+# since it may have read the damaged data (a damage check: such a drafter was reused as "finished").
+DATA_KEYS = ("store", "store_version", "target", "repairs")
 SUPERSEDED = "superseded"
 DATA = "data.json"  # in each checkpoint: its training's DATA_KEYS
 
@@ -143,11 +145,11 @@ def recorded_data(output_dir: str | Path, checkpoint: Path) -> dict[str, Any] | 
     from dflash_pipeline.drafter.export import read_meta
 
     try:
-        return json.loads((checkpoint / DATA).read_text())
+        return {"repairs": 0, **json.loads((checkpoint / DATA).read_text())}  # (recorded since session 24)
     except (OSError, ValueError):
         pass
     meta = read_meta(Path(output_dir) / "export")
-    return {k: meta.get(k) for k in DATA_KEYS} if meta else None
+    return {**{k: meta.get(k) for k in DATA_KEYS}, "repairs": meta.get("repairs", 0)} if meta else None
 
 
 def supersede(output_dir: str | Path, old: dict[str, Any]) -> Path:
@@ -199,7 +201,7 @@ def write_report(output_dir: str | Path, history: list[dict], metrics: dict[str,
 def finished_run(output_dir: str | Path, step: int, provenance: dict[str, Any]) -> dict[str, Any] | None:
     """metrics.json of a training that already finished at `step` and exported it, or None. Finished means: the
     export's dflash_meta.json records that step and the same provenance (train_config, store, store_version,
-    target) as this run, and metrics.json records that step uninterrupted. A rerun of a finished run then
+    target, repairs) as this run, and metrics.json records that step uninterrupted. A rerun of a finished run then
     trains nothing and keeps the export as it is (its evaluation stays reusable)."""
     from dflash_pipeline.drafter.export import CONFIG, WEIGHTS, read_meta
 
@@ -207,7 +209,7 @@ def finished_run(output_dir: str | Path, step: int, provenance: dict[str, Any]) 
     export = out / "export"
     if not (export / CONFIG).is_file() or not (export / WEIGHTS).is_file():
         return None
-    meta = read_meta(export)
+    meta = {"repairs": 0, **read_meta(export)}  # (exports before session 24 record no repairs)
     if meta.get("steps") != step or any(meta.get(k) != v for k, v in provenance.items()):
         return None
     try:

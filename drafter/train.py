@@ -51,6 +51,7 @@ from dflash_pipeline.drafter.target_head import draft_spec, load_target_head, ma
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.handoff import Handoff
+from dflash_pipeline.storage import discard
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, float, float], None]  # (step, total_steps, loss, tokens_per_s)
@@ -229,7 +230,14 @@ def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
         return ck
     if d.rank == 0:
         moved = supersede(out, old)
-        if other_data:
+        if other_data and all(old.get(k) == data[k] for k in DATA_KEYS if k != "repairs"):
+            log.warning(
+                "%s held a training on %s version %s from before units of it were discarded as damaged and rebuilt "
+                "(%s repairs, %s then; the version's repairs.json lists them): it may have read the damaged data, so "
+                "it was moved to %s and training starts at step 0",
+                out, data["store"], data["store_version"], data["repairs"], old.get("repairs"), moved,
+            )  # fmt: skip
+        elif other_data:
             log.warning(
                 "%s held a training on %s version %s (target %s); this run trains on %s version %s: moved it to %s "
                 "and training starts at step 0",
@@ -271,7 +279,8 @@ def train(
     total = total_steps(len(job.ds), d.world, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     sj = spec_json(job.spec)
-    data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path}
+    repairs = len(discard.repairs(job.ds.store, job.ds.version))
+    data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path, "repairs": repairs}
     schedule = {k: getattr(cfg, k) for k in SCHEDULE_KEYS}
     start, history = 0, []
     ck = _checkpoint_to_resume(out, {**data, "schedule": schedule}, d)

@@ -50,6 +50,11 @@ def of_attr(value: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
 
 
+def is_digest(value: Any) -> bool:
+    """Whether `value` has the form of a digest this package writes (32 lowercase hex digits)."""
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
 def of_attrs(attrs: dict[str, Any], keys: Iterable[str] | None = None) -> dict[str, str]:
     """{key: of_attr(value)} for `keys` (default: every key) that `attrs` holds."""
     return {k: of_attr(attrs[k]) for k in (keys if keys is not None else sorted(attrs)) if k in attrs}

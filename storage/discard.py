@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TRASH = ".discarded"  # <version>/.discarded/: units moved out of the store, until deleted
 RECORD = "discarded.json"  # <version>/discarded.json: {unit: {"at", "why"}}
+REPAIRS = "repairs.json"  # <version>/repairs.json: [{"at", "unit", "why"}], every discard as damaged, kept for good
 
 
 def record(store: Store, version: str) -> dict[str, dict]:
@@ -34,17 +35,43 @@ def record(store: Store, version: str) -> dict[str, dict]:
     return {u: e for u, e in rec.items() if isinstance(e, dict)} if isinstance(rec, dict) else {}
 
 
+def repairs(store: Store, version: str) -> list[dict]:
+    """Every unit discarded from `version` as damaged since it was made, oldest first ([] when none): unlike
+    discarded.json, entries stay after the unit is rebuilt. A training compares their number with what it started
+    from (drafter/train.py): data it may have read damaged were replaced since. An unreadable record raises
+    StoreError naming it."""
+    try:
+        rec = store.loc.read_json(f"{version}/{REPAIRS}", [])
+    except (ValueError, OSError) as e:
+        rec = e
+    if not isinstance(rec, list):
+        raise StoreError(
+            f"repair record {store.loc.url_of(f'{version}/{REPAIRS}')} is damaged ({rec}): it lists the units "
+            "`verify --repair` discarded; restore it from a copy, or write [] into it (a training of this version "
+            "that read damaged data is then reused as if none was repaired)"
+        )
+    return rec
+
+
 def note(store: Store, version: str, unit: str, why: str) -> None:
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    entry = {"at": at, "unit": unit, "why": why}
+    store.loc.write_json_atomic(f"{version}/{REPAIRS}", [*repairs(store, version), entry])
     rec = record(store, version)
-    rec[unit] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "why": why}
+    rec[unit] = {"at": at, "why": why}
     store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
 
 
 def forget(store: Store, version: str, unit: str) -> None:
-    """The unit is no longer discarded (rebuilt, or never moved out)."""
-    rec = record(store, version)
-    if rec.pop(unit, None) is not None:
-        store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
+    """The unit is no longer discarded (rebuilt, or never moved out): its entry goes, well-formed or not (record()
+    leaves out an edited one, which would otherwise stay for good)."""
+    try:
+        raw = store.loc.read_json(f"{version}/{RECORD}", {})
+    except (ValueError, OSError):
+        return
+    if isinstance(raw, dict) and unit in raw:
+        del raw[unit]
+        store.loc.write_json_atomic(f"{version}/{RECORD}", {u: e for u, e in raw.items() if isinstance(e, dict)})
 
 
 def refuse_while_read(store: Store, version: str, units: list[str], then: str) -> None:

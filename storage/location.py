@@ -189,6 +189,11 @@ class Location(ABC):
 # ---- local directory ------------------------------------------------------------------------------
 
 
+# A path that leads to no file: gone, a link to nowhere or a link loop (a damage check: a loop was a traceback), or a
+# file where a directory should be. Listed as absent, so verify and readers call it missing.
+_UNRESOLVED = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)
+
+
 class LocalLocation(Location):
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -249,14 +254,17 @@ class LocalLocation(Location):
                 p = Path(dirpath) / n
                 try:
                     out[p.relative_to(top).as_posix()] = p.stat().st_size
-                except FileNotFoundError:
-                    pass
+                except OSError as e:
+                    if e.errno not in _UNRESOLVED:
+                        raise
         return out
 
     def size_of(self, rel: str) -> int | None:
         try:
             return self._p(rel).stat().st_size
-        except FileNotFoundError:
+        except OSError as e:
+            if e.errno not in _UNRESOLVED:
+                raise
             return None
 
     def digest_of(self, rel: str) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ mark; a unit marked `deleting` or `deleted` is never read. A crash in (5) leaves
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import socket
@@ -65,13 +66,36 @@ REEXTRACT = (
 def read_record(store: Store, version: str) -> dict[str, Any]:
     """The version's retention record ({} when nothing was ever deleted from it)."""
     try:
-        return store.loc.read_json(f"{version}/{RECORD}") or {}
+        record = store.loc.read_json(f"{version}/{RECORD}")
     except ValueError as e:
-        raise StoreError(
-            f"retention record {store.loc.url_of(f'{version}/{RECORD}')} is unreadable ({e}): it says which "
-            "units' data were deleted, so nothing of this version is read until it is fixed or the version is "
-            "re-extracted"
-        ) from e
+        raise _damaged(store, version, str(e)) from e
+    if record is None:
+        return {}
+    if problem := _record_problem(record):  # (a damage check: an edited record was an AttributeError)
+        raise _damaged(store, version, problem)
+    return record
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for k in ("version", "prune"):
+        if record.get(k) is not None and not isinstance(record[k], dict):
+            return f'"{k}" is {json.dumps(record[k])}, not an object'
+    units = record.get("units")
+    if units is not None and not isinstance(units, dict):
+        return f'"units" is a JSON {type(units).__name__}, not an object of unit entries'
+    bad = next((u for u, e in (units or {}).items() if not isinstance(e, dict)), None)
+    return None if bad is None else f'"units"."{bad}" is {json.dumps(units[bad])}, not an object'
+
+
+def _damaged(store: Store, version: str, problem: str) -> StoreError:
+    return StoreError(
+        f"retention record {store.loc.url_of(f'{version}/{RECORD}')} is damaged ({problem}): it says which units' "
+        "data retention deleted, so nothing of this version is read until it is fixed. Restore it from a copy; "
+        "without one, delete it: units whose data are gone are then reported missing by `dflash-pipeline verify` "
+        "and readers (never read as zeros)"
+    )
 
 
 def _write_record(store: Store, version: str, record: dict[str, Any]) -> None:

@@ -138,8 +138,16 @@ class Store:
         return sorted(names, key=lambda v: int(v[1:]))
 
     def current(self) -> str | None:
-        data = self.loc.read_bytes("CURRENT")
-        return data.decode().strip() if data is not None else None
+        try:
+            data = self.loc.read_bytes("CURRENT")
+            return data.decode().strip() if data is not None else None
+        except (IsADirectoryError, UnicodeDecodeError) as e:  # (a damage check: a traceback, exit 1)
+            what = "is a directory" if isinstance(e, IsADirectoryError) else "is not text"
+            raise StoreError(
+                f"{self.loc.url_of('CURRENT')} {what}: it should be a text file naming the published version; "
+                f"replace it with the name of a version that `dflash-pipeline verify {self.url} --version V` finds "
+                f"healthy and validated (versions: {', '.join(self.versions()) or 'none'})"
+            ) from None
 
     def set_current(self, version: str) -> None:
         assert self.loc.exists(f"{version}/zarr.json"), version

@@ -37,7 +37,11 @@ def validation_status(store: Store, version: str) -> str | None:
             return "validation never ran on it (it has no validation.json)"
         flag = _publish_flag(store, version)
         if flag is True:
-            return f"its validation report {VALIDATION} is missing (it was published validated: the file was deleted)"
+            return (
+                f"its validation report {VALIDATION} is missing (a version of this kind becomes CURRENT only after "
+                "passing validation, so the report was deleted, or CURRENT was set by hand to a version that never "
+                "passed)"
+            )
         if flag is not None:  # only true is ever written
             return f"{VERSION_RECORD}'s validated_before_publishing is {short(flag)}, not true: the record was edited"
         return None  # published before validation.json existed

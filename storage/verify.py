@@ -171,6 +171,9 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
             problems.append(Problem("-", "-", VERSION_RECORD, what, RECORD))
         elif k not in attrs:
             problems.append(Problem("-", "-", "zarr.json", f"version attribute {k} is missing"))
+        elif not digest.is_digest(d):  # the record holds no digest there: it is the edited file
+            what = f"version record's digest of {k} is {short(d)}, not an XXH3-128 digest; {REBUILD_VERSION_RECORD}"
+            problems.append(Problem("-", "-", VERSION_RECORD, what, RECORD))
         elif digest.of_attr(attrs[k]) != d:
             problems.append(
                 Problem(

@@ -58,22 +58,21 @@ def work(tmp_path_factory):
         RegenerateConfig(max_new_tokens=48, batch_size=20, device="cpu"),
         max_samples=40,
     )
-    cfg = load_config(
-        overrides={
-            **base,
-            "store_path": str(root / "store"),
-            "data.source": regen.path,
-            "layers.preset": "explicit",
-            "layers.ids": [1, 3, 5],
-            "layers.capture_last": True,
-            "stages": ["prepare", "extract", "validate"],  # validated and published (CURRENT): what training reads
-        }
-    )
+    overrides = {
+        **base,
+        "store_path": str(root / "store"),
+        "data.source": regen.path,
+        "layers.preset": "explicit",
+        "layers.ids": [1, 3, 5],
+        "layers.capture_last": True,
+        "stages": ["prepare", "extract", "validate"],  # validated and published (CURRENT): what training reads
+    }
+    cfg = load_config(overrides=overrides)
     runner = LocalRunner()
     run_pipeline(cfg, runner)
     assert runner.results["validate"].ok
     mp = runner.results["probe"]
-    return {"root": root, "report": mp, "store": str(cfg.store), "regen": regen}
+    return {"root": root, "report": mp, "store": str(cfg.store), "regen": regen, "overrides": overrides}
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +361,39 @@ def test_a_training_with_other_settings_is_moved_aside_not_resumed(work, referen
     assert (moved / "export" / "model.safetensors").is_file() and (moved / "checkpoints").is_dir()
     again = train(cfg, work["store"], work["report"], out)
     assert again.reused and len(list((out / "superseded").iterdir())) == 1
+
+
+def test_a_training_from_before_a_repair_of_its_version_is_moved_aside_not_reused(work, tmp_path, caplog):
+    """A damage check: a drafter trained while a shard was damaged in a way only its digest shows (two chunks of
+    it swapped), then the version repaired (`verify --repair` discarded the unit, a rerun of extract rebuilt it), was
+    reused as "finished": a drafter of damaged data. The repair is recorded in the version (repairs.json), so the
+    next training moves the old one aside and trains from step 0, as a fresh training on the repaired store."""
+    import shutil
+
+    from dflash_pipeline.config import load_config
+    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.storage.discard import discard_units, repairs
+    from dflash_pipeline.storage.store import Store
+
+    store_dir = tmp_path / "store"
+    shutil.copytree(work["store"], store_dir)
+    store = Store(store_dir)
+    version = store.current()
+    cfg = TrainConfig(**{**TRAIN, "max_steps": 6})
+    first = train(cfg, store_dir, work["report"], tmp_path / "drafter")
+    assert first.steps == 6 and not first.reused
+    unit = store.units(version)[0]
+    discard_units(store, version, [unit], {unit: "hidden/c/0/0/0: content differs from the commit record's digest"})
+    assert [r["unit"] for r in repairs(store, version)] == [unit]
+    run_pipeline(load_config(overrides={**work["overrides"], "store_path": str(store_dir)}), LocalRunner())
+    assert store.current() == version and unit in store.units(version)  # rebuilt in place, validated again
+    with caplog.at_level("WARNING", logger="dflash_pipeline.drafter.train"):
+        again = train(cfg, store_dir, work["report"], tmp_path / "drafter")
+    assert again.start_step == 0 and again.steps == 6 and not again.reused
+    assert "discarded as damaged and rebuilt" in caplog.text, caplog.text
+    (moved,) = (tmp_path / "drafter" / "superseded").iterdir()
+    assert json.loads((moved / "data.json").read_text())["repairs"] == 0
+    assert train(cfg, store_dir, work["report"], tmp_path / "drafter").reused  # nothing repaired since
 
 
 def reference_version(work) -> str:

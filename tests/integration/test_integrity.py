@@ -181,7 +181,21 @@ DAMAGES = {
         False,
     ),
     "edit_layer_ids": (lambda v: _edit(v, "layer_ids", lambda ids: ids[:-1] + [ids[-1] + 1]), "layer_ids", [], False),
+    # a damage check: a shard turned into a link to itself was a bare OSError (ELOOP) in the reader, verify and rerun
+    "shard_link_loop": (lambda v: _link_loop(v / U0 / "hidden/c/0/0/0"), f"{U0}/hidden/c/0/0/0", ["u00000"], False),
+    # a damage check: a digest in the version record replaced by a number was blamed on zarr.json
+    "version_record_digest_not_hex": (
+        lambda v: _edit_json(v / "version.json", lambda r: {**r, "attrs": {**r["attrs"], "layer_ids": 5}}),
+        "version.json",
+        [],
+        False,
+    ),
 }
+
+
+def _link_loop(path: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.name)
 
 
 # Content damage the default reader sees too: the small files (metadata, ids, mask) are checked against their digests
@@ -421,3 +435,36 @@ def test_a_unit_linked_from_another_disk_is_read_through_and_its_target_never_de
     rerun = extract_local(tmp_path, SMALL)
     assert rerun.result.forward_passes == batches["u00001"]
     assert_same_store(before, snapshot(Store(root), version))
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ("current_a_directory", "CURRENT is a directory"),
+        ("retention_unit_entry_a_string", '"units"."u00001" is "deleted", not an object'),
+        ("retention_units_a_list", '"units" is a JSON list'),
+        ("retention_version_a_string", '"version" is "deleted", not an object'),
+    ],
+)
+def test_a_damaged_store_record_is_named_with_its_fix(small_store, tmp_path, capsys, damage, said):
+    """A damage check: these were tracebacks (IsADirectoryError, AttributeError) in the reader and verify."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    if damage == "current_a_directory":
+        (root / "CURRENT").unlink(missing_ok=True)
+        (root / "CURRENT").mkdir()
+        args = []
+    else:
+        entry = {
+            "retention_unit_entry_a_string": {"units": {"u00001": "deleted"}},
+            "retention_units_a_list": {"units": ["u00001"]},
+            "retention_version_a_string": {"version": "deleted"},
+        }[damage]
+        (root / version / "retention.json").write_text(json.dumps(entry))
+        args = ["--version", version, "--unvalidated"]
+    with pytest.raises(StoreError) as e:
+        HiddenStateDataset(root, version if args else None, unvalidated="warn")
+    assert said in str(e.value) and ("restore" in str(e.value).lower() or "replace" in str(e.value)), str(e.value)
+    # no store to check (2, on stderr), or a problem of the version (1, its line)
+    assert cli(["verify", str(root), *args]) == (1 if args else 2)
+    assert said in (capsys.readouterr().out if args else capsys.readouterr().err)
