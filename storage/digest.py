@@ -12,7 +12,7 @@ wrong or stale file), not against someone forging a file on purpose (docs/STORE.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,35 @@ def of_pieces(pieces: Iterable[Any]) -> dict[str, Any]:
 def of_attr(value: Any) -> str:
     """The digest of one attribute value: XXH3-128 of its canonical JSON (sorted keys, no whitespace)."""
     return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
+
+
+CHUNKS = "chunks"  # a shard's commit-record entry: of_chunks, beside its size and digest
+EMPTY_CHUNK = 2**64 - 1  # the sharding index's offset and size of a chunk not stored
+
+
+def of_chunks(read_ranges: Callable[[list[tuple[int, int]]], list[bytes]], size: int, n_chunks: int) -> str:
+    """XXH3-128 of a shard's chunk index (zarr's sharding codec, at the file's end: `n_chunks` little-endian uint64
+    (offset, nbytes) pairs, then their CRC32C) followed by the CRC32C each stored chunk ends with (its last 4 bytes),
+    in index order. A few small reads (`read_ranges([(offset, length), ...])`), not the whole shard: what the
+    default reader can afford, and what the CRC32C of each chunk and of the index cannot show: intact chunks
+    rearranged within the shard, or the whole shard replaced by another intact one (a damage check read either as
+    other rows). A file too short for its index, or an index pointing outside the file, gives a text that is no
+    digest (and so matches no record)."""
+    index_len = 16 * n_chunks + 4
+    if size < index_len:
+        return f"no room for a {n_chunks}-chunk index in {size} bytes"
+    (index,) = read_ranges([(size - index_len, index_len)])
+    h = xxhash.xxh3_128(index)
+    tails = []
+    for offset, n in np.frombuffer(index, dtype="<u8", count=2 * n_chunks).reshape(n_chunks, 2).tolist():
+        if offset == EMPTY_CHUNK and n == EMPTY_CHUNK:
+            continue
+        if n < 4 or offset + n > size - index_len:
+            return f"the index points outside the file (chunk at {offset}, {n} bytes)"
+        tails.append((offset + n - 4, 4))
+    for crc in read_ranges(tails):
+        h.update(crc)
+    return h.hexdigest()
 
 
 def is_digest(value: Any) -> bool:

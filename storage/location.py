@@ -140,6 +140,14 @@ class Location(ABC):
         """storage.digest record of the file as stored now (reads it whole), or None if it does not exist."""
 
     @abstractmethod
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each (offset, length) range of the file (FileNotFoundError if it does not exist)."""
+
+    def chunks_of(self, rel: str, size: int, n_chunks: int) -> str:
+        """storage.digest.of_chunks of the shard file `rel` of `size` bytes as stored now."""
+        return digest.of_chunks(lambda ranges: self.read_ranges(rel, ranges), size, n_chunks)
+
+    @abstractmethod
     def exists(self, rel: str) -> bool: ...
 
     @abstractmethod
@@ -276,6 +284,13 @@ class LocalLocation(Location):
         except (FileNotFoundError, IsADirectoryError):
             return None
         return d.record()
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        fd = os.open(self._p(rel), os.O_RDONLY)
+        try:
+            return [os.pread(fd, n, offset) for offset, n in ranges]
+        finally:
+            os.close(fd)
 
     def exists(self, rel: str) -> bool:
         return self._p(rel).exists()

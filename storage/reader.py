@@ -162,7 +162,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.samples: list[SampleRef] = []
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
         self._shard_tokens: dict[str, int] = {}
-        self._verified: set[tuple[str, str]] = set()  # (unit, shard file) whose digest this process checked
+        self._chunks_per_shard: dict[str, int] = {}
+        self._verified: set[tuple[str, str]] = set()  # (unit, shard file) this process checked (_check_shards)
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
         record = retention.read_record(self.store, self.version)
         gone = retention.retired(record, units)
@@ -190,6 +191,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             committed = rec["committed_tokens"]
             ua = self.store.unit_attrs(self.version, unit)
             self._shard_tokens[unit] = ua["shard_tokens"]
+            self._chunks_per_shard[unit] = ua["shard_tokens"] // ua["chunk_tokens"]
             for sid, start, length in ua["samples"]:
                 if start + length <= committed:  # readers see committed samples only
                     self.samples.append(SampleRef(sid, unit, start, length))
@@ -254,15 +256,27 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             )
 
     def _check_shards(self, unit: str, start: int, end: int) -> None:
-        """ "digests" mode: the shards holding tokens [start, end) of the unit, each once per process."""
+        """The shards holding tokens [start, end) of the unit, each once per process: in "digests" mode their whole
+        content; else their chunk index and each chunk's CRC32C (a few small reads: storage.digest.of_chunks), so
+        intact chunks rearranged or a shard replaced by another intact one is an error too (commit records from
+        before that entry have none: checked in "digests" mode only)."""
         shard = self._shard_tokens[unit]
         for f, want in self._files[unit].items():
             idx = _shard_of(f)
             if want is None or idx is None or not (start // shard <= idx <= (end - 1) // shard):
                 continue
-            if (unit, f) not in self._verified:
+            if (unit, f) in self._verified:
+                continue
+            if self.verify == "digests":
                 self._check_digest(unit, f, want)
-                self._verified.add((unit, f))
+            elif digest.CHUNKS in want:
+                rel = f"{self.version}/units/{unit}/{f}"
+                got = self.store.loc.chunks_of(rel, want["size"], self._chunks_per_shard[unit])
+                if got != want[digest.CHUNKS]:
+                    why = got if not digest.is_digest(got) else "rearranged, or the shard replaced by another"
+                    problem = f"its chunks differ from the commit record ({why})"
+                    self._raise_on([Problem(unit, f.split("/", 1)[0], f"units/{unit}/{f}", problem)])
+            self._verified.add((unit, f))
 
     def close(self) -> None:
         """Release the lease on the version (also when the dataset is garbage-collected or the process ends)."""
@@ -304,8 +318,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if ref.unit in self.retired:
             raise StoreError(f"sample {ref.sample_id}: {self.retired[ref.unit]}")
         a = self._unit_arrays(ref.unit)
-        if self.verify == "digests":
-            self._check_shards(ref.unit, ref.start, ref.start + ref.length)
+        self._check_shards(ref.unit, ref.start, ref.start + ref.length)
         sl = slice(ref.start, ref.start + ref.length)
         try:
             item = {

@@ -160,6 +160,13 @@ class S3Location(Location):
             return None
         return d.record()
 
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if not ranges:
+            return []
+        path = self._p(rel)
+        starts, ends = [o for o, _ in ranges], [o + n for o, n in ranges]
+        return list(self.fs.cat_ranges([path] * len(ranges), starts, ends, on_error="raise"))
+
     def _put(self, rel: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._p(rel), data)

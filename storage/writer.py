@@ -231,6 +231,7 @@ class UnitWriter:
         self._fast = {a: _ShardFile.for_array(arr, self.loc) for a, arr in self.arrays.items()}
         self.n_tokens: int = attrs["n_tokens"]
         self.shard_tokens: int = attrs["shard_tokens"]
+        self._chunks_per_shard = self.shard_tokens // attrs["chunk_tokens"]
         self.samples = attrs["samples"]
         rec = self.loc.read_json("commit.json", dict(NOTHING_COMMITTED))
         self.committed: int = rec["committed_tokens"]
@@ -384,7 +385,10 @@ class UnitWriter:
                     d = self._fast[name].write(start, rows)
                 # Written by zarr or by a writer process: digest the file as stored (None: zarr wrote no file
                 # because every value is the fill value; it reads back as those values, correctly).
-                written[key] = d if d is not None else self.loc.digest_of(key)
+                d = d if d is not None else self.loc.digest_of(key)
+                if d is not None:  # and what the default reader checks of it (storage.digest.of_chunks)
+                    d = {**d, digest.CHUNKS: self.loc.chunks_of(key, d["size"], self._chunks_per_shard)}
+                written[key] = d
             return written
 
         try:

@@ -468,3 +468,51 @@ def test_a_damaged_store_record_is_named_with_its_fix(small_store, tmp_path, cap
     # no store to check (2, on stderr), or a problem of the version (1, its line)
     assert cli(["verify", str(root), *args]) == (1 if args else 2)
     assert said in (capsys.readouterr().out if args else capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def uncompressed_store(tmp_path_factory):
+    """Shards of several equal-sized chunks (compression none): intact chunks can trade places unseen by their
+    CRC32Cs, and a shard of one unit has the size of another unit's."""
+    out = tmp_path_factory.mktemp("uncompressed")
+    overrides = {**SMALL, "extract.compression": "none", "extract.shard_mib": 0.05, "extract.chunk_mib": 0.01}
+    return extract_local(out, overrides, validate=True)
+
+
+def _swap_chunks(array: Path, shard: str, a: int, b: int) -> None:
+    """Exchange the bytes of chunks a and b (equal sizes) of shard file `shard` of the zarr array at `array`, its
+    index untouched."""
+    import numpy as np
+
+    meta = json.loads((array / "zarr.json").read_text())
+    n = meta["chunk_grid"]["configuration"]["chunk_shape"][0] // meta["codecs"][0]["configuration"]["chunk_shape"][0]
+    data = bytearray((array / shard).read_bytes())
+    index = np.frombuffer(bytes(data[-(16 * n + 4) : -4]), dtype="<u8").reshape(n, 2)
+    (oa, na), (ob, nb) = index[a].tolist(), index[b].tolist()
+    assert n >= 2 and na == nb, (n, na, nb)
+    data[oa : oa + na], data[ob : ob + nb] = data[ob : ob + nb], data[oa : oa + na]
+    (array / shard).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["chunks_swapped_in_a_shard", "shard_replaced_by_another_units"])
+def test_intact_chunks_out_of_place_are_an_error_in_the_default_reader(uncompressed_store, tmp_path, capsys, damage):
+    """A damage check read these as other rows without an error in the default mode (training's): each chunk and the
+    index pass their CRC32C. The commit record now holds a digest of each shard's index and chunk CRCs, which the
+    default reader (and `verify --sizes-only`) checks with a few small reads per shard."""
+    root, version = tmp_path / "store", uncompressed_store.plan.version
+    shutil.copytree(uncompressed_store.store, root)
+    v = root / version
+    if damage == "chunks_swapped_in_a_shard":
+        _swap_chunks(v / U1 / "hidden", "c/0/0/0", 0, 1)
+    else:
+        src, dst = v / U0 / "hidden/c/1/0/0", v / U1 / "hidden/c/0/0/0"
+        assert src.stat().st_size == dst.stat().st_size
+        shutil.copyfile(src, dst)
+    with pytest.raises(StoreError, match=f"{U1}/hidden/c/0/0/0.*its chunks differ from the commit record"):
+        ds = HiddenStateDataset(root)
+        for i in range(len(ds)):
+            ds[i]
+    assert cli(["verify", str(root), "--sizes-only"]) == 1
+    assert "its chunks differ from the commit record" in capsys.readouterr().out
+    assert cli(["verify", str(root)]) == 1
+    assert "content differs from the commit record" in capsys.readouterr().out
