@@ -124,10 +124,15 @@ def summary_lines(s, seconds: float) -> list[str]:
     if s.current or s.version:
         what = f"{_extracted(s)}; " if s.version else ""
         published = f"; CURRENT is {s.current or 'not set'}" if s.version and s.current != s.version else ""
+        # the reader's default reads it: published, not failed, its data not deleted by retention (a fresh-user check)
+        readable = (s.version or s.current) == s.current and s.validation != "FAIL" and not s.bytes_freed
         lines.append(
             f"store: {shown(s.store)} version {s.version or s.current} ({what}validation {s.validation or 'not run'}"
-            f"{published}); read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)"
+            f"{published})"
+            + ("; read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)" if readable else "")
         )
+    if s.retention:
+        lines.append(s.retention)
     if s.pruned:  # (extract.keep_versions: the run-summary artifact says so too)
         lines.append(f"pruned older store versions: {', '.join(s.pruned)} (extract.keep_versions)")
     if s.drafter:
@@ -169,12 +174,14 @@ def _start_temporary_server():
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The pre-flight plan (core/planner.py): samples and tokens kept, store size, GPU-hours, room on the disk.
-    Exit 0 when the store fits, 1 when it does not, 2 on a user error."""
+    Exit 0 when the store fits and the run would start, 1 when it does not fit or would be refused, 2 on a user
+    error."""
     from dflash_pipeline.config import load_config
     from dflash_pipeline.errors import PipelineError
 
     try:
         cfg = load_config(args.config, args.set)
+        from dflash_pipeline.planner import REFUSED
         from dflash_pipeline.preflight import preflight, store_precision_refusal
 
         preflight(cfg, what_if=True)
@@ -187,8 +194,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"data": stages.regenerated_data(cfg)})
         prepared = stages.prepare(cfg, report)  # written under output_dir/prepared: `run` reuses it
         est = stages.estimate(cfg, report, prepared)
+        if prepared.quarantined:  # (a fresh-user check: `run` names the file, `plan` did not)
+            where = prepared.quarantine_path
+            est.notes.append(f"{prepared.quarantined:,} rows quarantined, each with its reason in {where}")
         if refusal := store_precision_refusal(cfg):
-            est.notes.insert(0, f"a run with these settings will be refused: {refusal}")
+            est.notes.insert(0, f"{REFUSED}{refusal}")
         if regenerated:
             est.notes.insert(
                 0,
@@ -208,7 +218,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not est.fits:
         hint = "run refuses to start" if cfg.plan.disk_check else "plan.disk_check=false: run would start anyway"
         print(f"the store does not fit ({hint})", file=sys.stderr)
-    return 0 if est.fits else 1
+    refused = any(n.startswith(REFUSED) for n in est.notes)
+    if refused:  # (a fresh-user check: `plan && run` went on into the refusal)
+        print("a run with these settings will be refused (see the note above)", file=sys.stderr)
+    return 0 if est.fits and not refused else 1
 
 
 def cmd_build_default(args: argparse.Namespace) -> int:

@@ -221,7 +221,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+            where = f" (relative to {Path.cwd()})" if not p.is_absolute() else ""  # a deployment's: DFLASH_WORKDIR
+            raise ConfigError(f"config file {p}{where} does not exist")
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

@@ -30,6 +30,7 @@ from dflash_pipeline.storage.layout import DTYPES
 from dflash_pipeline.storage.store import Store, other_dataset, same_identity
 
 # Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
+REFUSED = "a run with these settings will be refused: "  # the note that makes `plan` exit 1
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
@@ -107,7 +108,8 @@ class StoreEstimate:
     gpu: str | None
     gpu_source: str
     extract_tokens_per_s: float | None = None
-    small_target: bool = False  # under SMALL_TARGET parameters per token: the rates above are lower bounds of time
+    small_target: bool = False  # under SMALL_TARGET parameters per token: the rates above are lower bounds of time,
+    # not printed (to_dict keeps them)
     extract_gpu_hours: float | None = None
     train_tokens_per_s: float | None = None
     train_gpu_hours: float | None = None
@@ -127,12 +129,18 @@ class StoreEstimate:
 
     def lines(self) -> list[str]:
         gib = 2**30
-        hours = (
-            f"extraction {self.extract_gpu_hours:.3g} GPU-hours ({self.extract_tokens_per_s:,.0f} tokens/s per "
-            f"{self.gpu}), training {self.train_gpu_hours:.3g} GPU-hours ({self.train_tokens_per_s:,.0f} tokens/s)"
-            if self.extract_gpu_hours is not None
-            else "not estimated"
-        )
+        if self.extract_gpu_hours is None:
+            hours = "not estimated"
+        elif self.small_target:  # (a fresh-user check: "863,577,085 tokens/s per H100" for the embedded target)
+            hours = (
+                "not estimated: the target is too small for rates scaled by FLOPs from large targets (per-batch "
+                "overheads bound its speed; a short run measures it)"
+            )
+        else:
+            hours = (
+                f"extraction {self.extract_gpu_hours:.3g} GPU-hours ({self.extract_tokens_per_s:,.0f} tokens/s per "
+                f"{self.gpu}), training {self.train_gpu_hours:.3g} GPU-hours ({self.train_tokens_per_s:,.0f} tokens/s)"
+            )
         free = f"{self.free_bytes / gib:,.3f} GiB free ({self.free_source})" if self.free_bytes is not None else ""
         room = (
             f"{'fits' if self.fits else 'DOES NOT FIT'}: "
@@ -153,7 +161,7 @@ class StoreEstimate:
             f"{counted(self.units, 'unit')}) at {self.store}",
             f"disk: {room}",
             f"GPU ({self.gpu or '-'}, {self.gpu_source}): {hours}",
-            *(f"throughput basis: {b}" for b in self.throughput_basis),
+            *(f"throughput basis: {b}" for b in ([] if self.small_target else self.throughput_basis)),
             *(f"note: {n}" for n in self.notes),
             *self.disk_lines,
         ]
@@ -266,7 +274,7 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
             "the run prepares that set anew"
         )
     if refusal:
-        notes.append(f"a run with these settings will be refused: {refusal}")
+        notes.append(f"{REFUSED}{refusal}")
     if committed:
         notes.append(f"{committed:,} tokens are already committed in the store: only the rest is written")
     est = StoreEstimate(
@@ -312,12 +320,7 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
         est.train_tokens_per_s = tr.tokens_per_s * tr.params_per_token / (n_draft * h * h) * scale
         epochs = cfg.train.epochs
         est.train_gpu_hours = tokens * epochs / est.train_tokens_per_s / 3600
-        est.small_target = params_per_token(report) < SMALL_TARGET
-        if est.small_target:
-            est.notes.append(
-                "the target is small: its speed is bound by per-batch overheads, not by FLOPs, so the GPU-hours "
-                "scaled from large targets are a lower bound"
-            )
+        est.small_target = params_per_token(report) < SMALL_TARGET  # (then `lines` gives no GPU-hours)
         est.throughput_basis = [
             f"extraction: {rec.tokens_per_s:,} tokens/s recorded on one {rec.gpu} for the {rec.what} ({rec.source}), "
             f"scaled by parameters per token ({rec.params_per_token / 1e9:.2f}B there, "

@@ -393,7 +393,8 @@ def said_prepare(r) -> str:
 
 def said_estimate(e) -> str:
     room = "fits" if e.fits else "DOES NOT FIT"
-    free = f", {e.free_bytes / 2**30:,.1f} GiB free" if e.free_bytes is not None else ""
+    gib = None if e.free_bytes is None else e.free_bytes / 2**30
+    free = "" if gib is None else f", {gib:,.1f} GiB free" if gib >= 1 else f", {gib:,.3f} GiB free"  # not "0.0"
     return f"store about {e.store_bytes / 2**30:,.3f} GiB, {room}{free}" + (
         " (calibration reused)" if getattr(e, "calibration_reused", False) else ""
     )

@@ -523,7 +523,8 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
                     print(f"flow run {r['name']} ({r['id']}) set Crashed", file=sys.stderr, flush=True)
                 lp.start_worker(WORKER_NAME)
     except (KeyboardInterrupt, Stop) as e:
-        print(f"{e.__class__.__name__ if isinstance(e, KeyboardInterrupt) else e}: stopping", file=sys.stderr)
+        why = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else e  # (a fresh-user check: "KeyboardInterrupt")
+        print(f"{why}: stopping the server, the worker and their runs", file=sys.stderr)
         return 0
     finally:
         lp.stop()

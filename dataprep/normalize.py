@@ -121,6 +121,13 @@ def _turns(row: dict[str, Any], fmt: str) -> list[dict[str, Any]]:
     """Raw turns as {'role', 'content', ...}, from whichever per-turn keys hold values."""
     key = FORMAT_FIELDS[fmt]
     turns = row.get(key)
+    if key not in row:  # (a fresh-user check: "got NoneType" for rows of another format under a forced data.format)
+        fields = ", ".join(repr(k) for k in list(row)[:6])
+        raise RowError(
+            f"no field '{key}', which data.format={fmt} reads the turns from (the row has {fields or 'no fields'}): "
+            "set data.format to the rows' format, or auto",
+            "invalid row",
+        )
     if not isinstance(turns, list):
         raise RowError(f"field '{key}' must be a list of turns, got {type(turns).__name__}", "invalid row")
     if fmt == "ultrachat":  # a list of strings, alternating user / assistant

@@ -11,6 +11,7 @@ from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.errors import ConfigError, DataError
 
 PROMPT_ENDS = ("user", "tool")  # the turn a prompt ends with: what the target replies to
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles a chat template renders
 
 
 def check_slice_fields(rows: list[dict], fields: list[str], where: str) -> None:
@@ -56,10 +57,18 @@ def load_prompts(cfg: EvalConfig) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise DataError(f"{p} line {n}: a prompt row is an object with 'messages' (a list of chat turns)")
         turns = row["messages"]
+        which = f"{p} line {n} ({'id ' + repr(row['id']) if row.get('id') is not None else 'no id'})"
+        for i, t in enumerate(turns):
+            role = t.get("role") if isinstance(t, dict) else None
+            if role not in CHAT_ROLES:  # (a fresh-user check: a misspelt role was called the last turn's problem)
+                raise DataError(
+                    f"{which}: turn {i} has {'role ' + repr(role) if role is not None else 'no role'}, not one of "
+                    f"{', '.join(CHAT_ROLES)}: fix the row, or drop it"
+                )
         last = turns[-1].get("role") if turns and isinstance(turns[-1], dict) else None
         if last not in PROMPT_ENDS:  # (a fresh-user check: a row ending with the reply was scored anyway)
             raise DataError(
-                f"{p} line {n} (id {row.get('id')!r}): its messages end with "
+                f"{which}: its messages end with "
                 f"{'a turn of role ' + repr(last) if last else 'no chat turn'}; a prompt ends with the user's turn "
                 "(or a tool result) that the target answers: drop the reply, or the row"
             )

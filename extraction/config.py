@@ -160,7 +160,9 @@ class ExtractConfig(Section):
     incremental: bool = Field(
         False,
         description="Allow adding new dataset rows to an existing store "
-        "version (the nightly run); otherwise another dataset is an error.",
+        "version (the nightly run); otherwise another dataset is an error. A published (CURRENT) version is never "
+        "changed: the rows go into a new version sharing its units (hard links), published once validated; a drafter "
+        "trained on the old version then trains again from step 0 on the new one.",
     )
     keep_versions: int = Field(
         3,

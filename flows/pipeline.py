@@ -154,6 +154,7 @@ def dflash_pipeline(
             )
         raise
     run_logger().info("pipeline done: %s", summary.to_dict())
+    publish_run_summary(summary)  # the whole run's (after the store's stages it was published once: their outcome)
     return summary
 
 

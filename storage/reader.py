@@ -59,9 +59,10 @@ def _shard_of(f: str) -> int | None:
     return int(rest.split("/", 1)[0]) if sep and head in SHARDED_ARRAYS else None
 
 
-def published_version(store: Store, unvalidated: str = "refuse") -> str:
+def published_version(store: Store, unvalidated: str = "refuse", warn=None) -> str:
     """CURRENT: the version readers use. With none, StoreError saying so (and which versions exist, and whether
-    they were validated); with `unvalidated="warn"` the newest version instead, with a warning."""
+    they were validated); with `unvalidated="warn"` the newest version instead, with a warning (logged, or given to
+    `warn(text)`: the verify command prints it among its own lines)."""
     current = store.current()
     if current is not None:
         if current not in store.versions():
@@ -88,7 +89,10 @@ def published_version(store: Store, unvalidated: str = "refuse") -> str:
             "(`verify --version V`, HiddenStateDataset(version=V)); one that did not pass validation also needs "
             "`--unvalidated` / unvalidated='warn'"
         )
-    log.warning("%s; reading the newest, %s, anyway (unvalidated='warn')", msg, versions[-1])
+    if warn is None:
+        log.warning("%s; reading the newest, %s, anyway (unvalidated='warn')", msg, versions[-1])
+    else:
+        warn(f"{msg}; checking the newest, {versions[-1]}")
     return versions[-1]
 
 

@@ -44,6 +44,12 @@ def _in_a_run(record: logging.LogRecord) -> bool:
 forward_logic_logs()
 
 
+def percent(done: float, total: float) -> float:
+    """A progress artifact's value: Prefect warns on the console of anything outside [0, 100] (a fresh-user check:
+    "Progress: 320.0%" when a reused regeneration held more conversations than this run asks for)."""
+    return min(100.0, max(0.0, 100.0 * done / max(total, 1)))
+
+
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()

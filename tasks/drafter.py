@@ -20,7 +20,7 @@ from dflash_pipeline.drafter.evaluate import AcceptanceReport
 from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, run_logger
+from dflash_pipeline.tasks.common import artifact_key, percent, retry_unless_user_error, run_logger
 
 
 @task(
@@ -37,7 +37,7 @@ def regenerate_task(cfg: RunConfig, report: ProbeReport) -> RegenerateResult:
     )
 
     def progress(p: RegenProgress) -> None:  # the line itself is logged by drafter/regen_output.py (UI included)
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * p.done / max(p.total, 1))
+        update_progress_artifact(artifact_id=artifact_id, progress=percent(p.done, p.total))
 
     res = stages.regenerate(cfg, report, progress=progress)
     update_progress_artifact(artifact_id=artifact_id, progress=100.0)
@@ -80,7 +80,7 @@ def train_task(cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult
     artifact_id = create_progress_artifact(progress=0.0, key=artifact_key("train-progress"), description="training")
 
     def progress(step: int, total: int, loss: float, tps: float) -> None:
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * step / max(total, 1))
+        update_progress_artifact(artifact_id=artifact_id, progress=percent(step, total))
         log.info("train step %d/%d loss %.4f, %.0f tokens/s", step, total, loss, tps)
 
     result = stages.train(cfg, report, version, progress=progress)

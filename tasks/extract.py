@@ -21,7 +21,7 @@ from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.summary import RunSummary
-from dflash_pipeline.tasks.common import artifact_key, retry_unless_user_error, run_logger
+from dflash_pipeline.tasks.common import artifact_key, percent, retry_unless_user_error, run_logger
 
 
 @task(name="plan-extraction", task_run_name="plan store units", cache_policy=NO_CACHE)
@@ -60,7 +60,7 @@ def extract_worker_task(spec: WorkerSpec) -> WorkerResult:
     )
 
     def progress(p: Progress) -> None:
-        pct = 100.0 * p.tokens_done / max(p.tokens_total, 1)
+        pct = percent(p.tokens_done, p.tokens_total)
         update_progress_artifact(artifact_id=artifact_id, progress=pct)
         log.info(
             "%s: %s %d/%d tokens (%.1f%%), %.0f tokens/s, ETA %.0f s",
@@ -132,7 +132,11 @@ def run_summary_markdown(summary: RunSummary, failure: str | None = None) -> str
     ]
     if s.drafter or s.final_loss is not None:
         rows += [("drafter", s.drafter), ("final loss", s.final_loss)]
-    title = "# Extraction run summary"
+    if s.retention:
+        rows += [("retention", s.retention)]
+    if s.acceptance_length is not None:
+        rows += [("acceptance length", s.acceptance_length), ("untrained drafter", s.untrained_acceptance_length)]
+    title = "# Run summary"
     if failure is not None:
         title = "# Run summary: FAILED"
         rows = [("outcome", f"**failed**: {failure}".replace("|", "\\|").replace("\n", " "))] + rows

@@ -157,8 +157,11 @@ def test_every_deployment_keeps_its_preset_under_user_overrides(server, shared_o
 
     fr = _wait(server, train_only)
     assert fr.state.is_completed(), fr.state
-    stages = _stages_run(_task_runs_and_artifacts(server, train_only)[0])
+    tasks, arts = _task_runs_and_artifacts(server, train_only)
+    stages = _stages_run(tasks)
     assert {"train", "evaluate"} <= stages and not stages & {"extract", "validate"}
+    summary = next(a for a in arts if a.key == artifact_key("run-summary", store=shared_store)).data  # (had none)
+    assert "| acceptance length |" in summary and "| drafter |" in summary, summary
     assert (shared_out / "drafter" / "export" / "config.json").exists()
 
 

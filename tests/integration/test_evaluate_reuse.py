@@ -9,6 +9,7 @@ on the target, so 0 means the target ran no forward for that figure."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -191,3 +192,20 @@ def test_a_rerun_of_a_finished_run_trains_exports_and_evaluates_nothing(run, tmp
     changed = train(cfg.train.model_copy(update={"keep_checkpoints": 3}), cfg.store, run["report"], copy)
     assert not changed.reused and changed.start_step == changed.steps == t.steps
     assert json.loads((copy / "export" / META).read_text())["train_config"]["keep_checkpoints"] == 3
+
+
+@pytest.mark.parametrize(
+    ("turns", "said"),
+    [
+        ([{"role": "usr", "content": "hi"}], "line 1 (no id): turn 0 has role 'usr', not one of system, developer"),
+        ([{"content": "hi"}], "line 1 (no id): turn 0 has no role"),
+    ],
+)
+def test_a_prompt_row_with_an_unknown_role_is_named_as_such(tmp_path, turns, said):
+    """A fresh-user check: a misspelt role was reported as the row ending with a turn of that role, and a row
+    without id as `(id None)`."""
+    from dflash_pipeline.errors import DataError
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    with pytest.raises(DataError, match=re.escape(said)):
+        load_prompts(_eval(prompts=str(tmp_path / "p.jsonl")))

@@ -54,16 +54,23 @@ def test_run_refuses_a_store_the_disk_cannot_hold(model_dir, tmp_path):
     assert summary.tokens_extracted > 0
 
 
-def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, capsys):
+def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, capsys, monkeypatch):
     """`dflash-pipeline plan` with the run's config and overrides; GPU-hours for a named GPU, from the recorded
-    H200 throughputs; exit status 1 when the store does not fit."""
+    H200 throughputs, except for a target too small for rates scaled by FLOPs (a fresh-user check: "863,577,085
+    tokens/s per H100" for the embedded target); exit status 1 when the store does not fit."""
+    from dflash_pipeline import planner
     from dflash_pipeline.cli import main
 
     args = ["plan", "--set", f"output_dir={tmp_path}", "--set", "data.max_samples=40", "--set", "extract.devices=cpu"]
-    assert main([*args, "--set", "plan.gpu=H100", "--set", "extract.store_precision=fp8"]) == 0
+    named = [*args, "--set", "plan.gpu=H100", "--set", "extract.store_precision=fp8"]
+    assert main(named) == 0
     out = capsys.readouterr().out
-    assert "40 samples kept" in out and "precision fp8" in out and "GPU-hours" in out
-    assert "tokens/s recorded on one H200" in out and "bench/RESULTS.md" in out
+    assert "40 samples kept" in out and "precision fp8" in out and "not estimated: the target is too small" in out
+    assert "GPU-hours" not in out and "throughput basis" not in out
+    monkeypatch.setattr(planner, "SMALL_TARGET", 0)  # as a target of billions of parameters
+    assert main(named) == 0
+    out = capsys.readouterr().out
+    assert "GPU-hours" in out and "tokens/s recorded on one H200" in out and "bench/RESULTS.md" in out
     assert main([*args, "--set", "plan.disk_quota_gib=0.0001"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
@@ -133,6 +140,11 @@ def test_the_plan_says_a_run_on_another_dataset_will_be_refused(model_dir, tmp_p
         est.notes[0].startswith("a run with these settings will be refused: store ")
         and "data.max_samples" in est.notes[0]
     )
+    from dflash_pipeline.cli import main
+
+    plan = ["plan", "--set", f"output_dir={tmp_path}", "--set", "extract.devices=cpu", "--set", "data.max_samples=14"]
+    assert main(plan) == 1  # `plan && run` stops here (a fresh-user check: it exited 0)
+    assert main([*plan, "--set", "extract.incremental=true"]) == 0
     more = LocalRunner()
     run_pipeline(config(tmp_path, {**stages, "data.max_samples": 14, "extract.incremental": True}), more)
     assert not any("refused" in n for n in more.results["estimate"].notes)

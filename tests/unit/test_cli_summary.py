@@ -37,8 +37,21 @@ def test_paths_on_the_console_are_relative_to_where_the_user_is(tmp_path, monkey
     assert summary_lines(s, 1.0)[:2] == [
         "done in 1 s; outputs under runs/e",
         "store: runs/e/store version v0001 (no new samples, nothing to extract; validation not run; CURRENT is not "
-        "set); read it with dflash_pipeline.storage.reader.HiddenStateDataset (docs/STORE.md)",
+        "set)",
     ]
+
+
+def test_the_store_line_points_to_the_reader_only_where_its_default_reads_the_version():
+    """A fresh-user check: the line said "read it with HiddenStateDataset" after a run without validate (no CURRENT)
+    and after retention had deleted the data, where that read fails."""
+    hint = "read it with dflash_pipeline.storage.reader.HiddenStateDataset"
+    assert hint in _store_line(new_samples=1, tokens_extracted=10)
+    assert hint not in _store_line(current=None, validation=None)
+    assert hint not in _store_line(validation="FAIL")
+    s = RunSummary(output_dir="o", store="s", version="v0001", current="v0001", validation="PASS", bytes_freed=4096)
+    s.retention = "retention after_export: v0001: 2 of 2 units' data deleted so far (0.0 MiB freed)"
+    lines = summary_lines(s, 1.0)
+    assert hint not in lines[1] and s.retention in lines
 
 
 def test_the_store_line_names_the_version_written_not_the_published_one():

@@ -126,3 +126,10 @@ def test_bad_tool_rows_are_rejected(messages, reason):
 def test_empty_assistant_reply_is_kept():
     msgs = [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]
     assert normalize_row({"messages": msgs}) == msgs
+
+
+def test_a_forced_format_names_the_field_it_reads_and_the_rows_own():
+    """A fresh-user check: data.format=sharegpt on rows of `messages` said "got NoneType" for every row."""
+    row = {"id": "r1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    with pytest.raises(RowError, match=r"no field 'conversations', which data.format=sharegpt reads .*'messages'"):
+        normalize_row(row, "sharegpt")

@@ -125,3 +125,11 @@ def test_what_a_run_reused_is_one_list_item_each():
     with run.stage("evaluate") as st:  # what `said` sets from the stage's result
         st.reused = progress.REUSED["evaluate"](SimpleNamespace(reused=True, baseline_reused=True))
     assert run.reused == ["the prepared dataset", "the trained drafter's acceptance", "the untrained baseline"]
+
+
+def test_a_progress_artifact_value_stays_within_0_and_100():
+    """A fresh-user check: a reused regeneration with more conversations than the run asks for gave 320%, and
+    Prefect printed two warnings on the console."""
+    from dflash_pipeline.tasks.common import percent
+
+    assert percent(320, 100) == 100.0 and percent(0, 0) == 0.0 and percent(1, 4) == 25.0 and percent(-1, 4) == 0.0
