@@ -361,7 +361,6 @@ class Runner(Protocol):
     def train(self, cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult: ...
     def retain(self, cfg: RunConfig, version: str, export_dir: str | None): ...
     def evaluate(self, cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport: ...
-    def extracted(self, summary: RunSummary) -> None: ...
 
 
 class LocalRunner:
@@ -403,9 +402,6 @@ class LocalRunner:
 
     def evaluate(self, cfg, report, export_dir):
         return self._keep("evaluate", evaluate(cfg, report, export_dir))
-
-    def extracted(self, summary):
-        pass
 
 
 def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = None) -> RunSummary:
@@ -486,7 +482,6 @@ def run_pipeline(cfg: RunConfig, runner: Runner, summary: RunSummary | None = No
                 store.set_current(plan_.version)  # readers follow CURRENT: only ever a validated version
                 summary.pruned = store.prune(cfg.extract.keep_versions)
             summary.current = store.current()
-        runner.extracted(summary)
     if stages & {"train", "evaluate"}:
         with drafter_dir_lock(cfg.drafter_dir):
             if "train" in stages:

@@ -58,7 +58,9 @@ def _published(args: argparse.Namespace, store) -> str:
     from dflash_pipeline.storage.reader import published_version
 
     try:
-        return published_version(store, "warn" if args.unvalidated else "refuse", lambda m: print(f"warning: {m}"))
+        return published_version(
+            store, "warn" if args.unvalidated else "refuse", lambda m: print(f"warning: {m}", file=sys.stderr)
+        )
     except StoreError:
         writer = None if args.repair else _store_writer(store)  # --repair holds the lock itself
         if writer is None:

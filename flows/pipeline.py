@@ -154,7 +154,7 @@ def dflash_pipeline(
             )
         raise
     run_logger().info("pipeline done: %s", summary.to_dict())
-    publish_run_summary(summary)  # the whole run's (after the store's stages it was published once: their outcome)
+    publish_run_summary(summary)  # one per run, at its end (a failed run's: _publish_failure)
     return summary
 
 
@@ -234,7 +234,3 @@ class PrefectRunner:
         )
         self.stage = "after extract-hidden-states"
         return results
-
-    @staticmethod
-    def extracted(summary: RunSummary) -> None:
-        publish_run_summary(summary)
