@@ -47,8 +47,9 @@ def repairs(store: Store, version: str) -> list[dict]:
     if not isinstance(rec, list):
         raise StoreError(
             f"repair record {store.loc.url_of(f'{version}/{REPAIRS}')} is damaged ({rec}): it lists the units "
-            "`verify --repair` discarded; restore it from a copy, or write [] into it (a training of this version "
-            "that read damaged data is then reused as if none was repaired)"
+            "`verify --repair` discarded; restore it from a copy. Without one, delete it: a training of this "
+            "version from before a repair is then resumed or reused as if none happened, so move such drafter "
+            "directories aside by hand"
         )
     return rec
 
@@ -116,6 +117,20 @@ def empty_trash(store: Store, version: str) -> None:
         trash.rmdir()  # empty now (else what could not be deleted stays, logged above)
 
 
+def _check_places(store: Store, version: str, then: str) -> None:
+    """Before anything is discarded: the records and the trash directory a discard writes are what they should be
+    (a damage check: a directory in a record's place, or a file in the trash's, stopped a repair midway with a raw
+    error or a permission's fix)."""
+    if not isinstance(store.loc, LocalLocation):
+        return
+    for rel, should in ((RECORD, "a file"), (REPAIRS, "a file"), (TRASH, "a directory")):
+        p = Path(store.loc.url_of(f"{version}/{rel}"))
+        if (p.exists() or p.is_symlink()) and (p.is_dir() != (should == "a directory") or p.is_symlink()):
+            raise StoreError(
+                f"{p} should be {should} (a discard writes it); nothing was discarded: move it aside, then {then}"
+            )
+
+
 def discard_units(
     store: Store,
     version: str,
@@ -132,6 +147,7 @@ def discard_units(
     file, the error, what state the unit is in). Nothing is discarded while another process reads the version
     (`refuse_while_read`; `then`: what to run once they are gone)."""
     refuse_while_read(store, version, units, then)
+    _check_places(store, version, then)
     empty_trash(store, version)
     for u in units:
         rel = f"{version}/units/{u}"
@@ -148,7 +164,7 @@ def discard_units(
                 ) from e
             continue
         src = Path(store.loc.url_of(rel))
-        if not src.exists():
+        if not src.exists() and not src.is_symlink():
             continue
         trash = Path(store.loc.url_of(f"{version}/{TRASH}"))
         dst = trash / f"{u}.{time.time_ns()}"
@@ -162,8 +178,8 @@ def discard_units(
                 f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
                 "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
             ) from e
-        if dst.is_symlink():  # a unit linked from another disk: the link goes, never what it points to
-            dst.unlink()
+        if dst.is_symlink() or not dst.is_dir():  # a unit linked from another disk: the link goes, never what it
+            dst.unlink()  # points to; a file where the unit's directory was (damage) goes too
             continue
         errors = _rmtree(dst)
         if errors:

@@ -162,6 +162,10 @@ def live_leases(store: Store, version: str, ignore_own_training: bool = True) ->
     import fcntl
 
     d = store.loc.root / version / LEASES
+    if (d.exists() or d.is_symlink()) and not d.is_dir():  # (a damage check: retention deleted under a live reader)
+        # no reader can record a lease there, so none can be seen: whoever asks must assume one reads
+        why = f"{d} is not a directory, so no reader can record its lease there: move it aside"
+        return [{"purpose": "reading", "by": f"an unknown reader ({why})", "since": "an unknown time", "file": LEASES}]
     live = []
     for f in sorted(d.glob("*.lease")) if d.is_dir() else []:
         try:

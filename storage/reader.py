@@ -31,6 +31,7 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
 from dflash_pipeline.storage.duplicates import duplicate_samples
 from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage, sharded_arrays
+from dflash_pipeline.storage.location import LocalLocation
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
 from dflash_pipeline.storage.verify import (
@@ -167,6 +168,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
         self._shard_tokens: dict[str, int] = {}
         self._chunks_per_shard: dict[str, int] = {}
+        self._local = isinstance(self.store.loc, LocalLocation)
         self._verified: set[tuple[str, str]] = set()  # (unit, shard file) this process checked (_check_shards)
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
         record = retention.read_record(self.store, self.version)
@@ -259,28 +261,58 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 [Problem(unit, array, f"units/{unit}/{f}", "content differs from the commit record's digest")]
             )
 
+    def _read_files(self, unit: str, start: int, end: int) -> list[tuple[str, dict]]:
+        """The committed files a read of tokens [start, end) of the unit uses: its shards of each sharded array, and
+        the chunks of input_ids and loss_mask."""
+        shard = self._shard_tokens[unit]
+        out = []
+        for f, want in self._files[unit].items():
+            idx = _shard_of(f)
+            if want is not None and (
+                f.startswith(("input_ids/c/", "loss_mask/c/"))
+                if idx is None
+                else start // shard <= idx <= (end - 1) // shard
+            ):
+                out.append((f, want))
+        return out
+
     def _check_shards(self, unit: str, start: int, end: int) -> None:
         """The shards holding tokens [start, end) of the unit, each once per process: in "digests" mode their whole
         content; else their chunk index and each chunk's CRC32C (a few small reads: storage.digest.of_chunks), so
         intact chunks rearranged or a shard replaced by another intact one is an error too (commit records from
         before that entry have none: checked in "digests" mode only)."""
-        shard = self._shard_tokens[unit]
-        for f, want in self._files[unit].items():
-            idx = _shard_of(f)
-            if want is None or idx is None or not (start // shard <= idx <= (end - 1) // shard):
-                continue
-            if (unit, f) in self._verified:
+        for f, want in self._read_files(unit, start, end):
+            if _shard_of(f) is None or (unit, f) in self._verified:
                 continue
             if self.verify == "digests":
                 self._check_digest(unit, f, want)
             elif digest.CHUNKS in want:
                 rel = f"{self.version}/units/{unit}/{f}"
-                got = self.store.loc.chunks_of(rel, want["size"], self._chunks_per_shard[unit])
+                try:
+                    got = self.store.loc.chunks_of(rel, want["size"], self._chunks_per_shard[unit])
+                except FileNotFoundError:
+                    got = "the file is gone"
                 if got != want[digest.CHUNKS]:
                     why = got if not digest.is_digest(got) else "rearranged, or the shard replaced by another"
                     problem = f"its chunks differ from the commit record ({why})"
                     self._raise_on([Problem(unit, f.split("/", 1)[0], f"units/{unit}/{f}", problem)])
             self._verified.add((unit, f))
+
+    def _check_still_there(self, ref: SampleRef) -> None:
+        """After a read of a local store: every file it used is still there with its committed size. zarr reads a
+        file deleted after the unit was checked as fill values (a damage check: a shard deleted by another tool
+        under a live reader, or by retention where the reader could take no lease, came back as zeros); one stat
+        per file per sample. (Object storage: not checked here; retention refuses an s3:// store.)"""
+        for f, want in self._read_files(ref.unit, ref.start, ref.start + ref.length):
+            size = self.store.loc.size_of(f"{self.version}/units/{ref.unit}/{f}")
+            if size != want["size"]:
+                now = "gone" if size is None else f"{size} bytes, committed with {want['size']}"
+                raise StoreError(
+                    f"store version {self.store.loc.url_of(self.version)}: units/{ref.unit}/{f} changed while this "
+                    f"process read sample {ref.sample_id} ({now}), so its values are not returned: something deleted "
+                    "or rewrote the store's files under a reader (retention and pruning wait for readers; other "
+                    f"tools do not). Run `dflash-pipeline verify {self.store.url} --version {self.version}`"
+                )
 
     def close(self) -> None:
         """Release the lease on the version (also when the dataset is garbage-collected or the process ends)."""
@@ -340,6 +372,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                     item[quant.SCALE_OF[name]] = torch.from_numpy(a[quant.SCALE_OF[name]][sl])
         except Exception as e:  # noqa: BLE001 - zarr's decode errors name no file: say which unit, array and file
             raise self._read_error(ref, a, sl, e) from e
+        if self._local:
+            self._check_still_there(ref)
         return item
 
     def _read_error(self, ref: SampleRef, arrays: dict, sl: slice, e: Exception) -> StoreError:

@@ -355,8 +355,20 @@ def check_unit(
                     f"content differs from the commit record (XXH3-128 {got}, committed {want.get(digest.ALGORITHM)})"
                 )
                 problems.append(P(f, what))
+            elif digest.CHUNKS in want and _chunks_of(store, f"{unit_rel}/{f}", size, attrs) != want[digest.CHUNKS]:
+                # the file is as committed, its record's `chunks` is not: the default reader would refuse the shard
+                # for good (a damage check), so the unit is rebuilt, with a true record
+                problems.append(P(f, "the commit record's chunks entry differs from the file (the record was edited)"))
 
     return problems, len(files), n_bytes
+
+
+def _chunks_of(store: Store, rel: str, size: int, attrs: dict) -> str | None:
+    """storage.digest.of_chunks of a shard file (None when the unit's attributes give no chunking)."""
+    shard, chunk = attrs.get("shard_tokens"), attrs.get("chunk_tokens")
+    if not (type(shard) is int and type(chunk) is int and 0 < chunk <= shard):
+        return None
+    return store.loc.chunks_of(rel, size, shard // chunk)
 
 
 def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None = None) -> list[Problem]:

@@ -470,13 +470,15 @@ def test_a_damaged_store_record_is_named_with_its_fix(small_store, tmp_path, cap
     assert said in (capsys.readouterr().out if args else capsys.readouterr().err)
 
 
+UNCOMPRESSED = {**SMALL, "extract.compression": "none", "extract.shard_mib": 0.05, "extract.chunk_mib": 0.01}
+
+
 @pytest.fixture(scope="module")
 def uncompressed_store(tmp_path_factory):
     """Shards of several equal-sized chunks (compression none): intact chunks can trade places unseen by their
     CRC32Cs, and a shard of one unit has the size of another unit's."""
     out = tmp_path_factory.mktemp("uncompressed")
-    overrides = {**SMALL, "extract.compression": "none", "extract.shard_mib": 0.05, "extract.chunk_mib": 0.01}
-    return extract_local(out, overrides, validate=True)
+    return extract_local(out, UNCOMPRESSED, validate=True)
 
 
 def _swap_chunks(array: Path, shard: str, a: int, b: int) -> None:
@@ -514,3 +516,90 @@ def test_intact_chunks_out_of_place_are_an_error_in_the_default_reader(uncompres
             ds[i]
     assert cli(["verify", str(root)]) == 1
     assert "content differs from the commit record" in capsys.readouterr().out
+
+
+def test_a_forged_chunks_entry_is_found_by_verify_and_repaired(uncompressed_store, tmp_path, capsys):
+    """A damage check: a commit record's `chunks` entry replaced by another well-formed digest passed validation and
+    `verify` (which compared only the file's digest), while the default reader refused the shard for good. `verify`
+    now checks the entry against the file, so `verify --repair` discards the unit and a rerun rebuilds it."""
+    root, version = tmp_path / "store", uncompressed_store.plan.version
+    shutil.copytree(uncompressed_store.store, root)
+    _edit_json(
+        root / version / U0 / "commit.json",
+        lambda r: {
+            **r,
+            "files": {**r["files"], "hidden/c/0/0/0": {**r["files"]["hidden/c/0/0/0"], "chunks": "0" * 32}},
+        },
+    )
+    with pytest.raises(StoreError, match="its chunks differ from the commit record"):
+        ds = HiddenStateDataset(root, version, unvalidated="warn")
+        for i in range(len(ds)):
+            ds[i]
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
+    assert f"{U0}/hidden/c/0/0/0: the commit record's chunks entry differs from the file" in capsys.readouterr().out
+    assert cli(["verify", str(root), "--version", version, "--unvalidated", "--repair"]) == 1
+    assert "discarded 1 damaged unit" in capsys.readouterr().out
+    extract_local(
+        tmp_path, {**SMALL, "extract.compression": "none", "extract.shard_mib": 0.05, "extract.chunk_mib": 0.01}
+    )
+    ds = HiddenStateDataset(root, version, unvalidated="warn")
+    assert len([ds[i] for i in range(len(ds))]) == 60
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 0
+
+
+def test_a_file_deleted_under_a_live_reader_is_an_error_not_zeros(small_store, tmp_path):
+    """A damage check: a shard deleted by another tool after the reader had checked its unit read back as zeros
+    (zarr's fill value). The reader checks, after each read, that the files it used are still there."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    ds = HiddenStateDataset(root, version, unvalidated="warn")
+    first = ds.samples[0]
+    same = next(
+        i for i, s in enumerate(ds.samples) if s.unit == first.unit and i > 0 and s.start < ds._shard_tokens[s.unit]
+    )
+    ds[0]  # the unit is opened and checked
+    (root / version / "units" / first.unit / "hidden/c/0/0/0").unlink()
+    with pytest.raises(StoreError, match=r"hidden/c/0/0/0 changed while this process read sample .* \(gone\)"):
+        ds[same]
+
+
+def test_a_leases_directory_that_is_not_one_stops_deletions(small_store, tmp_path):
+    """A damage check: with `<version>/.leases` a file, readers could take no lease and retention saw none, deleting
+    under a live reader. Now a deletion assumes an unknown reader and refuses."""
+    from dflash_pipeline.storage.discard import discard_units
+    from dflash_pipeline.storage.leases import live_leases
+
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    shutil.rmtree(root / version / ".leases", ignore_errors=True)
+    (root / version / ".leases").write_text("x")
+    store = Store(root)
+    (lease,) = live_leases(store, version)
+    assert "is not a directory" in lease["by"]
+    with pytest.raises(StoreError, match=r"\.leases is not a directory.*nothing was deleted"):
+        discard_units(store, version, ["u00000"], {"u00000": "test"})
+    assert (root / version / U0).is_dir()
+
+
+@pytest.mark.parametrize("place", ["discarded_json_a_directory", "trash_a_file", "unit_a_file"])
+def test_a_repair_with_a_record_or_unit_in_the_wrong_shape_names_it(small_store, tmp_path, capsys, place):
+    """A damage check: these stopped `verify --repair` midway with a raw errno or a permission's fix."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    v = root / version
+    _flip(v / U1 / "hidden/c/0/0/0")  # something to discard
+    if place == "discarded_json_a_directory":
+        (v / "discarded.json").mkdir()
+    elif place == "trash_a_file":
+        (v / ".discarded").write_text("x")
+    else:
+        shutil.rmtree(v / U0)
+        (v / U0).write_text("x")
+    rc = cli(["verify", str(root), "--version", version, "--unvalidated", "--repair"])
+    out, err = capsys.readouterr()
+    if place == "unit_a_file":  # discarded like any damaged unit: the file goes, the rerun rebuilds it
+        assert rc == 1 and "discarded 2 damaged units" in out and not (v / U0).exists(), out + err
+    else:
+        name = "discarded.json should be a file" if place == "discarded_json_a_directory" else ".discarded should be a"
+        assert rc == 3 and name in err and "move it aside" in err, err
+        assert (v / U1).is_dir()  # nothing was discarded
