@@ -87,10 +87,11 @@ def drop_caches() -> bool:
 
 def read_pass(root: Path, version: str, mode: str | None, order: list[int]) -> float:
     cls = reader_mod.HiddenStateDataset
-    real = cls._check_files, cls._check_shards
+    real = cls._check_files, cls._check_shards, cls._check_still_there
     if mode is None:  # checks off: what the reader did before issue 15
         cls._check_files = lambda self, unit: None
         cls._check_shards = lambda self, unit, start, end: None
+        cls._check_still_there = lambda self, ref: None
     try:
         t0 = time.perf_counter()
         ds = HiddenStateDataset(root, version, verify=mode or "sizes", unvalidated="warn")
@@ -99,7 +100,7 @@ def read_pass(root: Path, version: str, mode: str | None, order: list[int]) -> f
             n += ds[i]["hidden"].numel()
         return time.perf_counter() - t0
     finally:
-        cls._check_files, cls._check_shards = real
+        cls._check_files, cls._check_shards, cls._check_still_there = real
 
 
 def main() -> None:
@@ -152,7 +153,11 @@ def main() -> None:
         for u in store.units(version):
             ds._check_files(u)
             ds._check_shards(u, 0, store.unit_attrs(version, u)["n_tokens"])
-        checks[mode] = {"construct_s": t1 - t0, "file_checks_s": time.perf_counter() - t1}
+        t2 = time.perf_counter()
+        for ref in ds.samples:  # after every read: the files it used are still there (a stat each)
+            ds._check_still_there(ref)
+        t3 = time.perf_counter()
+        checks[mode] = {"construct_s": t1 - t0, "file_checks_s": t3 - t2 + (t2 - t1), "after_read_s": t3 - t2}
     res["reader"] = {
         "samples": n,
         "units": len(store.units(version)),

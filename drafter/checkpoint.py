@@ -210,7 +210,9 @@ def finished_run(output_dir: str | Path, step: int, provenance: dict[str, Any]) 
     if not (export / CONFIG).is_file() or not (export / WEIGHTS).is_file():
         return None
     meta = {"repairs": 0, **read_meta(export)}  # (exports before session 24 record no repairs)
-    if meta.get("steps") != step or any(meta.get(k) != v for k, v in provenance.items()):
+    if meta.get("steps") != step or any(meta.get(k) != v for k, v in provenance.items() if k != "repairs"):
+        return None
+    if provenance.get("repairs", 0) > meta["repairs"]:  # units repaired since (fewer: a deleted repair record)
         return None
     try:
         metrics = json.loads((out / METRICS).read_text())

@@ -220,7 +220,10 @@ def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
         torch.distributed.barrier()  # every rank has read the records before rank 0 moves anything
     if old is None:
         return ck
-    other_data = any(old.get(k) != data[k] for k in DATA_KEYS)
+    # (repairs: only more of them; a repair record deleted since is no repair, and moves no training aside)
+    other_data = any(old.get(k) != data[k] for k in DATA_KEYS if k != "repairs") or data["repairs"] > (
+        old.get("repairs") or 0
+    )
     changed = {
         k: (was, data["schedule"][k])
         for k, was in (old.get("schedule") or {}).items()

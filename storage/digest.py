@@ -66,6 +66,8 @@ def of_chunks(read_ranges: Callable[[list[tuple[int, int]]], list[bytes]], size:
     if size < index_len:
         return f"no room for a {n_chunks}-chunk index in {size} bytes"
     (index,) = read_ranges([(size - index_len, index_len)])
+    if len(index) != index_len:  # the file is shorter than its committed size now
+        return f"the index is cut short ({len(index)} of {index_len} bytes)"
     h = xxhash.xxh3_128(index)
     tails = []
     for offset, n in np.frombuffer(index, dtype="<u8", count=2 * n_chunks).reshape(n_chunks, 2).tolist():
@@ -75,7 +77,18 @@ def of_chunks(read_ranges: Callable[[list[tuple[int, int]]], list[bytes]], size:
             return f"the index points outside the file (chunk at {offset}, {n} bytes)"
         tails.append((offset + n - 4, 4))
     for crc in read_ranges(tails):
+        if len(crc) != 4:
+            return "a chunk is cut short"
         h.update(crc)
+    return h.hexdigest()
+
+
+def of_encoded_chunks(pieces: list) -> str:
+    """of_chunks of a shard from the pieces storage.shardio.encode_shard made it of ([chunk, its CRC32C, ...,
+    index, the index's CRC32C]: chunks in index order), without reading the file back."""
+    h = xxhash.xxh3_128(bytes(pieces[-2]) + bytes(pieces[-1]))
+    for crc in pieces[1:-2:2]:
+        h.update(bytes(crc))
     return h.hexdigest()
 
 

@@ -55,12 +55,16 @@ def repairs(store: Store, version: str) -> list[dict]:
 
 
 def note(store: Store, version: str, unit: str, why: str) -> None:
-    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    entry = {"at": at, "unit": unit, "why": why}
-    store.loc.write_json_atomic(f"{version}/{REPAIRS}", [*repairs(store, version), entry])
     rec = record(store, version)
-    rec[unit] = {"at": at, "why": why}
+    rec[unit] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "why": why}
     store.loc.write_json_atomic(f"{version}/{RECORD}", rec)
+
+
+def _repaired(store: Store, version: str, unit: str, why: str) -> None:
+    """The unit is out of the store: kept in repairs.json for good (only then: a discard that failed discarded
+    nothing, and must not move a training aside)."""
+    entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unit": unit, "why": why}
+    store.loc.write_json_atomic(f"{version}/{REPAIRS}", [*repairs(store, version), entry])
 
 
 def forget(store: Store, version: str, unit: str) -> None:
@@ -162,6 +166,8 @@ def discard_units(
                     f"could not delete unit {store.loc.url_of(rel)} ({type(e).__name__}: {e}); delete it by hand, "
                     "then rerun extract to rebuild it from its plan record"
                 ) from e
+            if why is not None:
+                _repaired(store, version, u, why.get(u) or "damaged")
             continue
         src = Path(store.loc.url_of(rel))
         if not src.exists() and not src.is_symlink():
@@ -178,6 +184,8 @@ def discard_units(
                 f"could not discard unit {src}: {type(e).__name__}: {e}; nothing of it was deleted (fix the "
                 "permission, e.g. `chattr -i` / `chmod u+w`, and run `dflash-pipeline verify --repair` again)"
             ) from e
+        if why is not None:  # out of the store from here on
+            _repaired(store, version, u, why.get(u) or "damaged")
         if dst.is_symlink() or not dst.is_dir():  # a unit linked from another disk: the link goes, never what it
             dst.unlink()  # points to; a file where the unit's directory was (damage) goes too
             continue

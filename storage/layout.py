@@ -136,6 +136,12 @@ def compressors(name: str, itemsize: int) -> list:
     return [codec, Crc32cCodec()]  # CRC32C per chunk: a flipped byte is a read error, not silent garbage
 
 
+def chunks_per_shard(arr) -> int:
+    """How many chunks a shard of the zarr array `arr` holds along the token axis (its shard index's entries):
+    from the array's own metadata, which the shard files are laid out by."""
+    return arr.shards[0] // arr.chunks[0]
+
+
 def chunking(bytes_per_token: int, chunk_mib: float, shard_mib: float, n_tokens: int) -> tuple[int, int]:
     """(chunk_tokens, shard_tokens) along the token axis; shard is a multiple of chunk."""
     chunk = max(1, int(chunk_mib * 2**20) // bytes_per_token)

@@ -10,8 +10,9 @@ commit record (present, complete), and raises StoreError naming the unit, array 
 a unit's arrays are first opened (in each process) every file its commit record lists is checked for
 presence and size (a missing zarr shard would otherwise read back as zeros), and the content of its small
 files (the arrays' metadata, token ids and loss mask: a shape, byte order or dtype edited in place keeps the
-file's size); with `verify="digests"` also each shard's content the first time a sample in it is read (in each
-process; every byte is then read once more, once). storage/verify.py holds the checks.
+file's size); the first time a sample touches a shard (in each process), its chunk index and chunk CRCs against
+the commit record's `chunks`, or with `verify="digests"` its whole content (every byte is then read once more,
+once); after each read of a local store, that the files read are still there. storage/verify.py holds the checks.
 
 A reader holds a lease on its version for as long as it lives (storage/leases.py): retention and pruning
 never delete a version, or units of one, that another process reads. Units whose data retention deleted are
@@ -30,7 +31,14 @@ import torch
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import digest, leases, quant, retention
 from dflash_pipeline.storage.duplicates import duplicate_samples
-from dflash_pipeline.storage.layout import ARRAYS, DTYPES, SHARDED_ARRAYS, from_storage, sharded_arrays
+from dflash_pipeline.storage.layout import (
+    ARRAYS,
+    DTYPES,
+    SHARDED_ARRAYS,
+    chunks_per_shard,
+    from_storage,
+    sharded_arrays,
+)
 from dflash_pipeline.storage.location import LocalLocation
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.validated import unvalidated_fix, validation_status
@@ -116,9 +124,11 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         """`store_root`: a local path or s3://bucket/prefix; `store_options`: its non-secret fsspec options
         (e.g. {"endpoint_url": ...}); credentials come from the standard AWS chain.
         `verify`: "sizes" (every committed file of a unit present with its committed size, and its small files'
-        content: the arrays' metadata, ids and mask, a few bytes per token; checked when the unit is first opened,
-        per process) or "digests" (also each shard's content: read once more the first time a sample in it is read;
-        only this finds a shard replaced by another of the same size, e.g. swapped within an uncompressed unit).
+        content: the arrays' metadata, ids and mask, a few bytes per token, checked when the unit is first opened,
+        per process; each shard's chunk index and chunk CRCs against its commit entry at the shard's first touch,
+        so a shard replaced by another of its size or chunks swapped within it is an error) or "digests" (each
+        shard's whole content instead: read once more the first time a sample in it is read). Either way, after
+        each read of a local store, the files it used must still be there with their committed sizes.
         `partial`: read the committed samples of units not yet complete (a version being extracted); by default
         every planned unit must be complete. `dequantize=False` (a compact store only): items hold the stored
         values as they are ('hidden' uint8 e4m3 bits or int8, [T, K, H]; int4: uint8 [T, K, H/2]) plus
@@ -167,7 +177,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.samples: list[SampleRef] = []
         self._files: dict[str, dict] = {}  # unit -> the files its commit record lists
         self._shard_tokens: dict[str, int] = {}
-        self._chunks_per_shard: dict[str, int] = {}
+        self._file_index: dict[str, tuple[dict[int, list], list]] = {}  # unit -> _read_files' index
         self._local = isinstance(self.store.loc, LocalLocation)
         self._verified: set[tuple[str, str]] = set()  # (unit, shard file) this process checked (_check_shards)
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
@@ -197,7 +207,6 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             committed = rec["committed_tokens"]
             ua = self.store.unit_attrs(self.version, unit)
             self._shard_tokens[unit] = ua["shard_tokens"]
-            self._chunks_per_shard[unit] = ua["shard_tokens"] // ua["chunk_tokens"]
             for sid, start, length in ua["samples"]:
                 if start + length <= committed:  # readers see committed samples only
                     self.samples.append(SampleRef(sid, unit, start, length))
@@ -263,18 +272,22 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _read_files(self, unit: str, start: int, end: int) -> list[tuple[str, dict]]:
         """The committed files a read of tokens [start, end) of the unit uses: its shards of each sharded array, and
-        the chunks of input_ids and loss_mask."""
+        the chunks of input_ids and loss_mask (indexed once per unit: a unit may have hundreds of shards)."""
+        if unit not in self._file_index:
+            by_shard: dict[int, list] = {}
+            always = []
+            for f, want in self._files[unit].items():
+                if want is None:
+                    continue
+                idx = _shard_of(f)
+                if idx is not None:
+                    by_shard.setdefault(idx, []).append((f, want))
+                elif f.startswith(("input_ids/c/", "loss_mask/c/")):
+                    always.append((f, want))
+            self._file_index[unit] = (by_shard, always)
+        by_shard, always = self._file_index[unit]
         shard = self._shard_tokens[unit]
-        out = []
-        for f, want in self._files[unit].items():
-            idx = _shard_of(f)
-            if want is not None and (
-                f.startswith(("input_ids/c/", "loss_mask/c/"))
-                if idx is None
-                else start // shard <= idx <= (end - 1) // shard
-            ):
-                out.append((f, want))
-        return out
+        return [x for i in range(start // shard, (end - 1) // shard + 1) for x in by_shard.get(i, [])] + always
 
     def _check_shards(self, unit: str, start: int, end: int) -> None:
         """The shards holding tokens [start, end) of the unit, each once per process: in "digests" mode their whole
@@ -289,9 +302,10 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             elif digest.CHUNKS in want:
                 rel = f"{self.version}/units/{unit}/{f}"
                 try:
-                    got = self.store.loc.chunks_of(rel, want["size"], self._chunks_per_shard[unit])
-                except FileNotFoundError:
-                    got = "the file is gone"
+                    n = chunks_per_shard(self._arrays[unit][f.split("/", 1)[0]])
+                    got = self.store.loc.chunks_of(rel, want["size"], n)
+                except OSError as e:  # gone or unreadable since the unit was opened
+                    got = f"the file cannot be read: {e.strerror or e}"
                 if got != want[digest.CHUNKS]:
                     why = got if not digest.is_digest(got) else "rearranged, or the shard replaced by another"
                     problem = f"its chunks differ from the commit record ({why})"

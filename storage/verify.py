@@ -37,6 +37,7 @@ from dflash_pipeline.storage.layout import (
     READER_ATTRS,
     SHARDED_ARRAYS,
     VERSION_RECORD,
+    chunks_per_shard,
     commit_record_problem,
     sharded_arrays,
 )
@@ -355,7 +356,7 @@ def check_unit(
                     f"content differs from the commit record (XXH3-128 {got}, committed {want.get(digest.ALGORITHM)})"
                 )
                 problems.append(P(f, what))
-            elif digest.CHUNKS in want and _chunks_of(store, f"{unit_rel}/{f}", size, attrs) != want[digest.CHUNKS]:
+            elif digest.CHUNKS in want and _chunks_of(store, unit_rel, f, size) != want[digest.CHUNKS]:
                 # the file is as committed, its record's `chunks` is not: the default reader would refuse the shard
                 # for good (a damage check), so the unit is rebuilt, with a true record
                 problems.append(P(f, "the commit record's chunks entry differs from the file (the record was edited)"))
@@ -363,12 +364,17 @@ def check_unit(
     return problems, len(files), n_bytes
 
 
-def _chunks_of(store: Store, rel: str, size: int, attrs: dict) -> str | None:
-    """storage.digest.of_chunks of a shard file (None when the unit's attributes give no chunking)."""
-    shard, chunk = attrs.get("shard_tokens"), attrs.get("chunk_tokens")
-    if not (type(shard) is int and type(chunk) is int and 0 < chunk <= shard):
+def _chunks_of(store: Store, unit_rel: str, f: str, size: int) -> str | None:
+    """storage.digest.of_chunks of shard file `f` of a unit, laid out as its array's metadata says (None: that
+    metadata cannot be read, which the array's own zarr.json digest reports)."""
+    import zarr
+
+    try:
+        arr = zarr.open_array(store=store.loc.zarr_store(f"{unit_rel}/{f.split('/', 1)[0]}", read_only=True))
+        n = chunks_per_shard(arr)
+    except Exception:  # noqa: BLE001 - damaged metadata is reported by its digest, not here
         return None
-    return store.loc.chunks_of(rel, size, shard // chunk)
+    return store.loc.chunks_of(f"{unit_rel}/{f}", size, n)
 
 
 def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None = None) -> list[Problem]:

@@ -43,7 +43,7 @@ from tenacity import before_sleep_log, retry, retry_if_exception, stop_after_att
 
 from dflash_pipeline.storage import digest
 from dflash_pipeline.storage.commit import crash_point
-from dflash_pipeline.storage.layout import NOTHING_COMMITTED, SHARDED_ARRAYS
+from dflash_pipeline.storage.layout import NOTHING_COMMITTED, SHARDED_ARRAYS, chunks_per_shard
 from dflash_pipeline.storage.location import Location, StoreFull, is_resource_error, open_location, resource_error
 from dflash_pipeline.storage.shardio import ShardProcesses, SharedBuffers, encode_shard
 
@@ -129,7 +129,8 @@ class _ShardFile:
     ) -> dict | None:
         """Rows [start, start + len(rows)) of the array: one whole shard, or the array's last (shorter) one.
         With `procs`, a writer process encodes and writes them from the shared `buffer` they start. Returns
-        the shard file's digest record when this process wrote it (None: a writer process did)."""
+        the shard file's digest record, with its `chunks` (storage.digest.of_chunks), when this process wrote it
+        (None: a writer process did)."""
         assert start % self.shard_rows == 0 and 0 < len(rows) <= self.shard_rows, (start, len(rows))
         if procs is not None:
             procs.write_shard(
@@ -142,7 +143,8 @@ class _ShardFile:
                 self.blosc.get_config() if self.blosc is not None else None,
             )
             return None
-        return self.loc.write_object(self.key(start), encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc))
+        pieces = encode_shard(rows, self.shard_rows, self.chunk_rows, self.blosc)
+        return {**self.loc.write_object(self.key(start), pieces), digest.CHUNKS: digest.of_encoded_chunks(pieces)}
 
 
 def shard_key(path: str, meta, start: int, shard_rows: int) -> str:
@@ -231,7 +233,6 @@ class UnitWriter:
         self._fast = {a: _ShardFile.for_array(arr, self.loc) for a, arr in self.arrays.items()}
         self.n_tokens: int = attrs["n_tokens"]
         self.shard_tokens: int = attrs["shard_tokens"]
-        self._chunks_per_shard = self.shard_tokens // attrs["chunk_tokens"]
         self.samples = attrs["samples"]
         rec = self.loc.read_json("commit.json", dict(NOTHING_COMMITTED))
         self.committed: int = rec["committed_tokens"]
@@ -385,9 +386,8 @@ class UnitWriter:
                     d = self._fast[name].write(start, rows)
                 # Written by zarr or by a writer process: digest the file as stored (None: zarr wrote no file
                 # because every value is the fill value; it reads back as those values, correctly).
-                d = d if d is not None else self.loc.digest_of(key)
-                if d is not None:  # and what the default reader checks of it (storage.digest.of_chunks)
-                    d = {**d, digest.CHUNKS: self.loc.chunks_of(key, d["size"], self._chunks_per_shard)}
+                if d is None and (d := self.loc.digest_of(key)) is not None:  # and what the default reader checks
+                    d[digest.CHUNKS] = self.loc.chunks_of(key, d["size"], chunks_per_shard(arr))
                 written[key] = d
             return written
 

@@ -394,6 +394,8 @@ def test_a_training_from_before_a_repair_of_its_version_is_moved_aside_not_reuse
     (moved,) = (tmp_path / "drafter" / "superseded").iterdir()
     assert json.loads((moved / "data.json").read_text())["repairs"] == 0
     assert train(cfg, store_dir, work["report"], tmp_path / "drafter").reused  # nothing repaired since
+    (store_dir / version / "repairs.json").unlink()  # fewer repairs than recorded: no repair, nothing moved aside
+    assert train(cfg, store_dir, work["report"], tmp_path / "drafter").reused
 
 
 def reference_version(work) -> str:
