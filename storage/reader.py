@@ -302,7 +302,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             elif digest.CHUNKS in want:
                 rel = f"{self.version}/units/{unit}/{f}"
                 try:
-                    n = chunks_per_shard(self._arrays[unit][f.split("/", 1)[0]])
+                    n = chunks_per_shard(self._unit_arrays(unit)[f.split("/", 1)[0]])
                     got = self.store.loc.chunks_of(rel, want["size"], n)
                 except OSError as e:  # gone or unreadable since the unit was opened
                     got = f"the file cannot be read: {e.strerror or e}"
