@@ -90,8 +90,8 @@ def read_pass(root: Path, version: str, mode: str | None, order: list[int]) -> f
     real = cls._check_files, cls._check_shards, cls._check_still_there
     if mode is None:  # checks off: what the reader did before issue 15
         cls._check_files = lambda self, unit: None
-        cls._check_shards = lambda self, unit, start, end: None
-        cls._check_still_there = lambda self, ref: None
+        cls._check_shards = lambda self, unit, files: None
+        cls._check_still_there = lambda self, ref, files: None
     try:
         t0 = time.perf_counter()
         ds = HiddenStateDataset(root, version, verify=mode or "sizes", unvalidated="warn")
@@ -156,11 +156,11 @@ def main() -> None:
             files += time.perf_counter() - t
             ds._unit_arrays(u)  # its arrays opened, as the unchecked reader opens them too (not counted)
             t = time.perf_counter()
-            ds._check_shards(u, 0, store.unit_attrs(version, u)["n_tokens"])  # every shard's first touch
+            ds._check_shards(u, ds._read_files(u, 0, store.unit_attrs(version, u)["n_tokens"]))  # first touches
             shards += time.perf_counter() - t
         t = time.perf_counter()
         for ref in ds.samples:  # after every read: the files it used are still there (a stat each)
-            ds._check_still_there(ref)
+            ds._check_still_there(ref, ds._read_files(ref.unit, ref.start, ref.start + ref.length))
         after = time.perf_counter() - t
         checks[mode] = {
             "construct_s": construct,

@@ -129,15 +129,6 @@ def watch_worker() -> None:
     threading.Thread(target=poll, name="watch-worker", daemon=True).start()
 
 
-class _NoUserErrorTraceback(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if _user_error(exc):
-            record.exc_info, record.exc_text = None, None
-            reported(exc)
-        return "Encountered exception during execution" not in record.getMessage() or exc is None
-
-
 def _user_error(exc: BaseException | None) -> bool:
     from dflash_pipeline.errors import PipelineError
 
@@ -152,6 +143,18 @@ class _UserErrorLine(logging.Filter):
         if _user_error(record.exc_info[1] if record.exc_info else None):
             record.exc_info, record.exc_text = None, None
         return True
+
+
+class _NoUserErrorTraceback(_UserErrorLine):
+    """The CLI's: as _UserErrorLine, the error remembered as one the CLI prints (`reported`), and Prefect's
+    "Encountered exception" line of any exception dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if _user_error(exc):
+            reported(exc)
+        super().filter(record)
+        return "Encountered exception during execution" not in record.getMessage() or exc is None
 
 
 def quiet_user_errors() -> None:

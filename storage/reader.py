@@ -289,12 +289,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         shard = self._shard_tokens[unit]
         return [x for i in range(start // shard, (end - 1) // shard + 1) for x in by_shard.get(i, [])] + always
 
-    def _check_shards(self, unit: str, start: int, end: int) -> None:
-        """The shards holding tokens [start, end) of the unit, each once per process: in "digests" mode their whole
+    def _check_shards(self, unit: str, files: list[tuple[str, dict]]) -> None:
+        """The shards among `files` (_read_files) of the unit, each once per process: in "digests" mode their whole
         content; else their chunk index and each chunk's CRC32C (a few small reads: storage.digest.of_chunks), so
         intact chunks rearranged or a shard replaced by another intact one is an error too (commit records from
         before that entry have none: checked in "digests" mode only)."""
-        for f, want in self._read_files(unit, start, end):
+        for f, want in files:
             if _shard_of(f) is None or (unit, f) in self._verified:
                 continue
             if self.verify == "digests":
@@ -312,12 +312,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                     self._raise_on([Problem(unit, f.split("/", 1)[0], f"units/{unit}/{f}", problem)])
             self._verified.add((unit, f))
 
-    def _check_still_there(self, ref: SampleRef) -> None:
+    def _check_still_there(self, ref: SampleRef, files: list[tuple[str, dict]]) -> None:
         """After a read of a local store: every file it used is still there with its committed size. zarr reads a
         file deleted after the unit was checked as fill values (a damage check: a shard deleted by another tool
         under a live reader, or by retention where the reader could take no lease, came back as zeros); one stat
         per file per sample. (Object storage: not checked here; retention refuses an s3:// store.)"""
-        for f, want in self._read_files(ref.unit, ref.start, ref.start + ref.length):
+        for f, want in files:
             size = self.store.loc.size_of(f"{self.version}/units/{ref.unit}/{f}")
             if size != want["size"]:
                 now = "gone" if size is None else f"{size} bytes, committed with {want['size']}"
@@ -368,7 +368,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if ref.unit in self.retired:
             raise StoreError(f"sample {ref.sample_id}: {self.retired[ref.unit]}")
         a = self._unit_arrays(ref.unit)
-        self._check_shards(ref.unit, ref.start, ref.start + ref.length)
+        files = self._read_files(ref.unit, ref.start, ref.start + ref.length)
+        self._check_shards(ref.unit, files)
         sl = slice(ref.start, ref.start + ref.length)
         try:
             item = {
@@ -387,7 +388,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         except Exception as e:  # noqa: BLE001 - zarr's decode errors name no file: say which unit, array and file
             raise self._read_error(ref, a, sl, e) from e
         if self._local:
-            self._check_still_there(ref)
+            self._check_still_there(ref, files)
         return item
 
     def _read_error(self, ref: SampleRef, arrays: dict, sl: slice, e: Exception) -> StoreError:

@@ -47,8 +47,8 @@ IDENTITY_KEYS = (
     "format_version",
     "target_quantization",
 )
-# The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
 VERSION_NAME = re.compile(r"v[0-9]+")  # v0001, v0002, ... (new_version_name)
+# The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
 # Identity attributes that versions written before they existed lack, and the value those versions have.
 IDENTITY_DEFAULTS = {"precision": "full", "target_quantization": None}  # None: an unquantized target

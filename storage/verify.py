@@ -335,7 +335,7 @@ def check_unit(
             problems.append(P(f, "not covered by the commit record"))
     if digests is None:
         return problems, 0, 0
-    n_bytes = 0
+    n_bytes, per_shard = 0, {}  # array -> chunks per shard (its metadata, read once)
     for f, want in sorted(files.items()):
         if want is None:  # zarr wrote no file: every value is the fill value
             if what := null_entry_problem(f, f in listing):
@@ -356,7 +356,7 @@ def check_unit(
                     f"content differs from the commit record (XXH3-128 {got}, committed {want.get(digest.ALGORITHM)})"
                 )
                 problems.append(P(f, what))
-            elif digest.CHUNKS in want and _chunks_of(store, unit_rel, f, size) != want[digest.CHUNKS]:
+            elif digest.CHUNKS in want and _chunks_of(store, unit_rel, f, size, per_shard) != want[digest.CHUNKS]:
                 # the file is as committed, its record's `chunks` is not: the default reader would refuse the shard
                 # for good (a damage check), so the unit is rebuilt, with a true record
                 problems.append(P(f, "the commit record's chunks entry differs from the file (the record was edited)"))
@@ -364,17 +364,22 @@ def check_unit(
     return problems, len(files), n_bytes
 
 
-def _chunks_of(store: Store, unit_rel: str, f: str, size: int) -> str | None:
+def _chunks_of(store: Store, unit_rel: str, f: str, size: int, per_shard: dict[str, int | None]) -> str | None:
     """storage.digest.of_chunks of shard file `f` of a unit, laid out as its array's metadata says (None: that
-    metadata cannot be read, which the array's own zarr.json digest reports)."""
+    metadata cannot be read, which the array's own zarr.json digest reports). `per_shard` caches each array's
+    chunks per shard across the unit's shards."""
     import zarr
 
-    try:
-        arr = zarr.open_array(store=store.loc.zarr_store(f"{unit_rel}/{f.split('/', 1)[0]}", read_only=True))
-        n = chunks_per_shard(arr)
-    except Exception:  # noqa: BLE001 - damaged metadata is reported by its digest, not here
-        return None
-    return store.loc.chunks_of(f"{unit_rel}/{f}", size, n)
+    array = f.split("/", 1)[0]
+    if array not in per_shard:
+        try:
+            per_shard[array] = chunks_per_shard(
+                zarr.open_array(store=store.loc.zarr_store(f"{unit_rel}/{array}", read_only=True))
+            )
+        except Exception:  # noqa: BLE001 - damaged metadata is reported by its digest, not here
+            per_shard[array] = None
+    n = per_shard[array]
+    return None if n is None else store.loc.chunks_of(f"{unit_rel}/{f}", size, n)
 
 
 def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None = None) -> list[Problem]:
