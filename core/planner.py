@@ -25,7 +25,7 @@ from dflash_pipeline.extraction.modelfiles import read_model_config
 from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.progress import counted
-from dflash_pipeline.storage import diskcheck, quant, retention
+from dflash_pipeline.storage import diskcheck, quant, retention_record
 from dflash_pipeline.storage.layout import DTYPES
 from dflash_pipeline.storage.store import Store, other_dataset, same_identity
 
@@ -230,7 +230,7 @@ def _continued(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, log
     try:
         store = Store(cfg.store, cfg.store_options)
         identity = target_identity(cfg, report, logical)  # format_version included
-        kept = [v for v in store.versions() if not retention.read_record(store, v).get("prune")]
+        kept = [v for v in store.versions() if not retention_record.read_record(store, v).get("prune")]
         v = next((v for v in reversed(kept) if same_identity(store.attrs(v), identity)), None)
         if v is None:
             return 0, None
@@ -240,7 +240,7 @@ def _continued(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, log
         if cfg.extract.new_version:
             return 0, None
         units = store.units(v)
-        gone = retention.retired(retention.read_record(store, v), units)
+        gone = retention_record.retired(retention_record.read_record(store, v), units)
         ours, total = None, 0
         for u in units:
             committed = store.commit_record(v, u).get("committed_tokens", 0)

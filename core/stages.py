@@ -284,12 +284,12 @@ def retain(cfg: RunConfig, version: str, export_dir: str | None):
     reader holds a lease on the version) waits in a request file for the next run. Returns retention.Report."""
     import json
 
-    from dflash_pipeline.storage import retention
+    from dflash_pipeline.storage import retention, retention_record
     from dflash_pipeline.storage.location import LocalLocation
 
     store = Store(cfg.store, cfg.store_options)
     mode = cfg.retention.mode
-    rep = retention.Report(mode, version, store.loc.url_of(f"{version}/{retention.RECORD}"))
+    rep = retention.Report(mode, version, store.loc.url_of(f"{version}/{retention_record.RECORD}"))
     rep.swept = [o.line() for o in retention.sweep(store) if o.deleted or o.skipped or o.whole_version]
     if mode == "after_export":
         meta_path = Path(export_dir or "", "dflash_meta.json")

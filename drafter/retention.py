@@ -29,7 +29,7 @@ from dflash_pipeline.drafter.checkpoint import list_checkpoints
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.runtime import epoch_batches, micro_per_epoch, total_steps
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import retention
+from dflash_pipeline.storage import retention, retention_record
 from dflash_pipeline.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def training(
     retention deleted (any mode), and with mode "consumed" delete units as checkpoints cover them. Costs one
     small file read when nothing of the version was ever deleted and the mode is not "consumed"."""
     store = Store(store_root, store_options)
-    if mode != "consumed" and not retention.read_record(store, version):
+    if mode != "consumed" and not retention_record.read_record(store, version):
         yield None
         return
     unit_of, gone = unit_index(store_root, store_options, version)

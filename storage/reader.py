@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, leases, quant, retention
+from dflash_pipeline.storage import digest, leases, quant, retention_record
 from dflash_pipeline.storage.duplicates import duplicate_samples
 from dflash_pipeline.storage.layout import (
     ARRAYS,
@@ -181,19 +181,19 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._local = isinstance(self.store.loc, LocalLocation)
         self._verified: set[tuple[str, str]] = set()  # (unit, shard file) this process checked (_check_shards)
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
-        record = retention.read_record(self.store, self.version)
-        gone = retention.retired(record, units)
+        record = retention_record.read_record(self.store, self.version)
+        gone = retention_record.retired(record, units)
         self.retired: dict[str, str] = {}  # unit -> why it cannot be read (its data were deleted by retention)
         if gone and retired == "refuse":
-            entry = retention.version_retired(record)
+            entry = retention_record.version_retired(record)
             raise StoreError(
-                retention.describe(self.store, self.version, entry, None)
+                retention_record.describe(self.store, self.version, entry, None)
                 if entry
-                else retention.describe(self.store, self.version, next(iter(gone.values())), sorted(gone))
+                else retention_record.describe(self.store, self.version, next(iter(gone.values())), sorted(gone))
             )
         for unit in units:
             if unit in gone:  # in the index as planned (it was complete when deleted); never read
-                self.retired[unit] = retention.describe(self.store, self.version, gone[unit], [unit])
+                self.retired[unit] = retention_record.describe(self.store, self.version, gone[unit], [unit])
                 plan = self.store.plan_record(self.version, unit)
                 if plan is None:
                     raise StoreError(f"{self.retired[unit]} (and its plan record, which lists its samples, is missing)")

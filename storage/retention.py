@@ -6,7 +6,8 @@ drafter was trained from, once that drafter is exported), `consumed` (each unit 
 checkpoint covers the last time the training reads it: drafter/retention.py decides when).
 
 On disk, in the version directory:
-- `retention.json`, the record: which units' data were deleted (or are being deleted), when, by whom, why,
+- `retention.json`, the record (storage/retention_record.py reads and writes it): which units' data were deleted
+  (or are being deleted), when, by whom, why,
   after which export or checkpoint, and how many bytes. Written only under the store lock. The version's
   attributes, version record and plan records stay, so readers and `verify` can say what happened, and a
   rerun of extract recreates exactly the deleted units from their plan records.
@@ -26,7 +27,6 @@ mark; a unit marked `deleting` or `deleted` is never read. A crash in (5) leaves
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import socket
@@ -40,6 +40,17 @@ from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage.commit import crash_point
 from dflash_pipeline.storage.leases import leases_line, live_leases, now_utc, who
 from dflash_pipeline.storage.location import LocalLocation
+from dflash_pipeline.storage.retention_record import (
+    DELETED,
+    DELETING,
+    REEXTRACT,
+    entries,
+    mib,
+    read_record,
+    retired,
+    version_retired,
+    write_record,
+)
 
 if TYPE_CHECKING:
     from dflash_pipeline.storage.store import Store
@@ -47,128 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _requests = itertools.count()
 
-RECORD = "retention.json"
 PENDING_DIR = "retention.pending"
-PENDING, DELETING, DELETED = "pending", "deleting", "deleted"
-RETIRED_STATES = (DELETING, DELETED)
 MODES = ("after_export", "consumed", "prune")
-HISTORY_KEPT = 50  # entries of the record's history kept
-
-REEXTRACT = (
-    "to read it again, re-extract it: run the pipeline on this store with the model, layers and dataset it was made "
-    "from and stages that include extract and validate (e.g. `dflash-pipeline run --config <your config> --set "
-    "'stages=[prepare,extract,validate]'`): the deleted units are recreated from their plan records and extracted "
-    "again, bit for bit, then validated"
-)
-
-
-# ---- the record -------------------------------------------------------------------------------------------
-def read_record(store: Store, version: str) -> dict[str, Any]:
-    """The version's retention record ({} when nothing was ever deleted from it)."""
-    try:
-        record = store.loc.read_json(f"{version}/{RECORD}")
-    except ValueError as e:
-        raise _damaged(store, version, str(e)) from e
-    if record is None:
-        return {}
-    if problem := _record_problem(record):  # (a damage check: an edited record was an AttributeError)
-        raise _damaged(store, version, problem)
-    return record
-
-
-def _record_problem(record: Any) -> str | None:
-    if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object"
-    for k in ("version", "prune"):
-        if record.get(k) is not None and not isinstance(record[k], dict):
-            return f'"{k}" is {json.dumps(record[k])}, not an object'
-    units = record.get("units")
-    if units is not None and not isinstance(units, dict):
-        return f'"units" is a JSON {type(units).__name__}, not an object of unit entries'
-    bad = next((u for u, e in (units or {}).items() if not isinstance(e, dict)), None)
-    return None if bad is None else f'"units"."{bad}" is {json.dumps(units[bad])}, not an object'
-
-
-def _damaged(store: Store, version: str, problem: str) -> StoreError:
-    return StoreError(
-        f"retention record {store.loc.url_of(f'{version}/{RECORD}')} is damaged ({problem}): it says which units' "
-        "data retention deleted, so nothing of this version is read until it is fixed. Restore it from a copy; "
-        "without one, delete it: units whose data are gone are then reported missing by `dflash-pipeline verify` "
-        "and readers (never read as zeros)"
-    )
-
-
-def _write_record(store: Store, version: str, record: dict[str, Any]) -> None:
-    record["format"] = 1
-    record["bytes_deleted"] = sum(e.get("bytes_deleted", 0) for e in _entries(record))
-    record["bytes_freed"] = sum(e.get("bytes_freed", 0) for e in _entries(record))
-    record["history"] = record.get("history", [])[-HISTORY_KEPT:]
-    store.loc.write_json_atomic(f"{version}/{RECORD}", record)
-
-
-def _entries(record: dict[str, Any]) -> list[dict[str, Any]]:
-    whole = [record[k] for k in ("version", "prune") if record.get(k)]
-    return whole + list((record.get("units") or {}).values())
-
-
-def version_retired(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The version-wide entry when the whole version's data were deleted or are being deleted (retention after
-    an export, or pruning under way)."""
-    for k in ("prune", "version"):
-        v = record.get(k)
-        if v and v.get("state") in RETIRED_STATES:
-            return v
-    return None
-
-
-def retired(record: dict[str, Any], units: list[str]) -> dict[str, dict[str, Any]]:
-    """{unit: its retention entry} of the units among `units` whose data were deleted or are being deleted (a
-    version-wide entry covers them all): never to be read."""
-    v = version_retired(record)
-    out = {}
-    for u in units:
-        e = (record.get("units") or {}).get(u)
-        if v:
-            out[u] = v
-        elif e and e.get("state") in RETIRED_STATES:
-            out[u] = e
-    return out
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def describe(
-    store: Store, version: str, entry: dict[str, Any], units: list[str] | None = None, hint: bool = True
-) -> str:
-    """The message for a reader, `verify` or validation: what was deleted, when, by whom, why, and (`hint`) how
-    to get it back. `units`: the units concerned (None: the whole version)."""
-    where = store.loc.url_of(version)
-    if units is None:
-        what = f"store version {where}: its hidden states"
-    elif len(units) == 1:
-        what = f"store version {where}: unit {units[0]}'s hidden states"
-    else:
-        shown = ", ".join(units[:4]) + (", ..." if len(units) > 4 else "")
-        what = f"store version {where}: the hidden states of {len(units)} units ({shown})"
-    how = {
-        "after_export": "after the export of a drafter trained from them",
-        "consumed": "once the training had consumed them",
-        "prune": "by extract.keep_versions",
-    }.get(entry.get("mode"), "")
-    if entry.get("state") == DELETED:
-        state = "were deleted"
-    else:
-        state = "are being deleted (the deletion was interrupted or is under way; the next retention step finishes it)"
-    export = entry.get("export") or {}
-    after = f" (export {export['path']})" if export.get("path") else ""
-    if entry.get("checkpoint"):
-        after = f" (checkpoint {entry['checkpoint']})"
-    by = "pruning" if entry.get("mode") == "prune" else f"retention.mode={entry.get('mode')}"
-    return f"{what} {state} by {by} {how}{after} at {entry.get('at')} by {entry.get('by')}: {entry.get('why')}" + (
-        f". Nothing of them can be read; {REEXTRACT}" if hint else ""
-    )
 
 
 # ---- deleting ---------------------------------------------------------------------------------------------
@@ -192,8 +83,8 @@ class Outcome:
             return f"{self.version}: nothing deleted ({self.mode}): {self.note}"
         what = "all units" if self.whole_version else f"{len(self.deleted)} units"
         return (
-            f"{self.version}: deleted {what} ({self.mode}): {_mib(self.bytes_deleted)} deleted, "
-            f"{_mib(self.bytes_freed)} freed"
+            f"{self.version}: deleted {what} ({self.mode}): {mib(self.bytes_deleted)} deleted, "
+            f"{mib(self.bytes_freed)} freed"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -284,7 +175,7 @@ def retire(
             record.setdefault("units", {})
             for u in doomed:
                 record["units"][u] = {**stamp, **(per_unit or {}).get(u, {})}
-        _write_record(store, version, record)
+        write_record(store, version, record)
         crash_point("retention_marked")
         leases = live_leases(store, version)
         if leases:  # registered before the mark: it may read them. Nothing is deleted yet: undo the mark
@@ -302,7 +193,7 @@ def _unmark(store: Store, version: str, whole: bool, doomed: list[str], key: str
         record.pop(key, None)
     for u in doomed:
         (record.get("units") or {}).pop(u, None)
-    _write_record(store, version, record)
+    write_record(store, version, record)
 
 
 def _finish(
@@ -328,10 +219,10 @@ def _finish(
             state=DELETED, bytes_deleted=v.get("bytes_deleted", 0) + total, bytes_freed=v.get("bytes_freed", 0) + freed
         )
     record.setdefault("history", []).append(
-        f"{now_utc()} {who()}: deleted {'the version' if whole else f'{len(doomed)} units'} ({_mib(total)}, "
-        f"{_mib(freed)} freed)"
+        f"{now_utc()} {who()}: deleted {'the version' if whole else f'{len(doomed)} units'} ({mib(total)}, "
+        f"{mib(freed)} freed)"
     )
-    _write_record(store, version, record)
+    write_record(store, version, record)
     return doomed, total, freed
 
 
@@ -348,7 +239,7 @@ def retire_whole_version(store: Store, version: str, entry: dict[str, Any], lock
             return out
         record = read_record(store, version)
         record["prune"] = {**entry, "state": DELETING, "at": now_utc(), "by": who()}
-        _write_record(store, version, record)
+        write_record(store, version, record)
         if leases := live_leases(store, version):
             _unmark(store, version, True, [], "prune")
             out.skipped = leases_line(leases)
@@ -395,7 +286,7 @@ def sweep(store: Store, *, lock_held: bool = False, versions: list[str] | None =
         for v in versions if versions is not None else store.versions():
             record = read_record(store, v)
             reqs = pending_requests(store, v)
-            interrupted = [e for e in _entries(record) if e.get("state") == DELETING]
+            interrupted = [e for e in entries(record) if e.get("state") == DELETING]
             if not (reqs or interrupted):
                 continue
             if busy:
@@ -473,7 +364,7 @@ def restore_for_extraction(store: Store, version: str) -> list[str]:
     record.setdefault("history", []).append(
         f"{now_utc()} {who()}: re-extracting {len(gone)} units whose data retention had deleted"
     )
-    _write_record(store, version, record)
+    write_record(store, version, record)
     log.warning(
         "store version %s: %d units' data had been deleted by retention; extracting them again from their plan records",
         store.loc.url_of(version),
@@ -524,7 +415,7 @@ class Report:
         s = self.so_far
         return (
             f"{head}: {s.get('units', 0)} of {s.get('of', 0)} units' data deleted so far "
-            f"({_mib(s.get('bytes_freed', 0))} freed)" + (f"; {self.note}" if self.note else "")
+            f"({mib(s.get('bytes_freed', 0))} freed)" + (f"; {self.note}" if self.note else "")
         )
 
     def to_markdown(self) -> str:
@@ -535,8 +426,8 @@ class Report:
             ("this step", self.outcome.line() if self.outcome else self.note or "-"),
             (
                 "the version so far",
-                f"{s.get('units', 0)} of {s.get('of', 0)} units' data deleted; {_mib(s.get('bytes_deleted', 0))} "
-                f"deleted, {_mib(s.get('bytes_freed', 0))} freed",
+                f"{s.get('units', 0)} of {s.get('of', 0)} units' data deleted; {mib(s.get('bytes_deleted', 0))} "
+                f"deleted, {mib(s.get('bytes_freed', 0))} freed",
             ),
             ("record", f"`{self.record}`"),
         ]

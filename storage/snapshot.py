@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import retention
+from dflash_pipeline.storage import retention_record
 from dflash_pipeline.storage.leases import now_utc
 from dflash_pipeline.storage.store import Store
 
@@ -24,7 +24,7 @@ def snapshot(store: Store, source: str) -> str:
     version without a discarded unit's samples, which validation, checking this run's dataset, passed)."""
     name = store.new_version_name()
     src_attrs = store.attrs(source)
-    gone = retention.retired(retention.read_record(store, source), store.units(source))
+    gone = retention_record.retired(retention_record.read_record(store, source), store.units(source))
     if gone:
         log.warning(
             "snapshot of %s: %d units' data were deleted by retention; their samples are extracted again",

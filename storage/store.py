@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant, retention
+from dflash_pipeline.storage import digest, quant, retention, retention_record
 from dflash_pipeline.storage.layout import (
     FORMAT_VERSION,
     NOTHING_COMMITTED,
@@ -189,7 +189,9 @@ class Store:
         """
         self.check_writable()
         provenance = {**provenance, "format_version": FORMAT_VERSION}
-        versions = [v for v in self.versions() if not retention.read_record(self, v).get("prune")]  # not half-pruned
+        versions = [
+            v for v in self.versions() if not retention_record.read_record(self, v).get("prune")
+        ]  # not half-pruned
         for v in reversed(versions):
             attrs = self._repair_attrs(v, provenance)
             if not same_identity(attrs, provenance):
@@ -232,7 +234,7 @@ class Store:
         that holds `dataset_fp`, its units not yet complete, and how many of `sample_ids` no unit holds. Damage
         is not looked at here: validation reports it."""
         provenance = {**provenance, "format_version": FORMAT_VERSION}
-        for v in reversed([v for v in self.versions() if not retention.read_record(self, v).get("prune")]):
+        for v in reversed([v for v in self.versions() if not retention_record.read_record(self, v).get("prune")]):
             attrs = self._repair_attrs(v, provenance, write=False)
             if same_identity(attrs, provenance) and dataset_fp in attrs.get("dataset_fingerprints", []):
                 break
@@ -362,7 +364,7 @@ class Store:
     def _held(self, version: str, current: str | None) -> bool:
         """CURRENT, or a version that holds committed tokens, or whose data retention deleted (it keeps its
         record): a version a run keeps."""
-        if version == current or retention.read_record(self, version):
+        if version == current or retention_record.read_record(self, version):
             return True
         return any(self._committed_or_damaged(version, u) for u in self.units(version))
 
@@ -383,7 +385,7 @@ class Store:
         resolve_version refuses it, after the probe), when no version the run would keep holds that precision;
         None when one does, or the store holds none. Reads the versions' attributes only, changes nothing."""
         current = self.current()
-        versions = [v for v in self.versions() if not retention.read_record(self, v).get("prune")]
+        versions = [v for v in self.versions() if not retention_record.read_record(self, v).get("prune")]
         kept = [v for v in versions if self._held(v, current)]
         want = quant.precision_attrs(precision)
         keys = ("precision", quant.INT8_SCALES_ATTR)

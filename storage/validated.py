@@ -6,7 +6,7 @@ own integrity is storage/verify.py's."""
 from __future__ import annotations
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, retention
+from dflash_pipeline.storage import digest, retention_record
 from dflash_pipeline.storage.layout import VALIDATION, VERSION_RECORD
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.verify import short
@@ -60,7 +60,9 @@ def validation_status(store: Store, version: str) -> str | None:
         except (ValueError, OSError) as e:
             return f"its records cannot be read to compare with what validation checked ({e})"
         try:  # units whose data retention deleted on purpose are not a change (readers refuse or index them)
-            gone = set(retention.retired(retention.read_record(store, version), sorted(set(now) | set(state))))
+            gone = set(
+                retention_record.retired(retention_record.read_record(store, version), sorted(set(now) | set(state)))
+            )
         except StoreError:
             gone = set()
         changed = sorted(u for u in set(now) | set(state) if u not in gone and now.get(u) != state.get(u))

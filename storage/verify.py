@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.progress import counted
-from dflash_pipeline.storage import digest, discard, quant, retention
+from dflash_pipeline.storage import digest, discard, quant, retention_record
 from dflash_pipeline.storage.layout import (
     ARRAYS,
     COMPRESSIONS,
@@ -128,7 +128,7 @@ class VerifyReport:
                 n = counted(len(discarded), "unit")
                 verdict += f", {n} discarded by `verify --repair` (a rerun of extract rebuilds them)"
             if deleted:
-                verdict += f", {len(deleted)} deleted by retention ({retention.REEXTRACT})"
+                verdict += f", {len(deleted)} deleted by retention ({retention_record.REEXTRACT})"
             if dupes := [p.unit for p in self.problems if p.kind == DUPLICATE]:
                 verdict += f", {counted(len(dupes), 'unit')} holding samples another holds too ({', '.join(dupes)})"
         return (
@@ -454,16 +454,18 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
     units = sorted(set(store.units(version)) | set(store.planned_units(version)))
     report.units = len(units)
     try:
-        record = retention.read_record(store, version)
+        record = retention_record.read_record(store, version)
     except StoreError as e:
-        report.problems.append(Problem("-", "-", retention.RECORD, str(e)))
+        report.problems.append(Problem("-", "-", retention_record.RECORD, str(e)))
         record = {}
-    gone = retention.retired(record, units)
-    if entry := retention.version_retired(record):
-        report.problems.append(Problem("-", "-", retention.RECORD, retention.describe(store, version, entry), RETIRED))
+    gone = retention_record.retired(record, units)
+    if entry := retention_record.version_retired(record):
+        report.problems.append(
+            Problem("-", "-", retention_record.RECORD, retention_record.describe(store, version, entry), RETIRED)
+        )
     else:
         for u in sorted(gone):
-            what = retention.describe(store, version, gone[u], [u], hint=False)
+            what = retention_record.describe(store, version, gone[u], [u], hint=False)
             report.problems.append(Problem(u, "-", f"units/{u}", what, RETIRED))
     units = [u for u in units if u not in gone]
 

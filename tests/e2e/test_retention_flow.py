@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dflash_pipeline.storage import retention
+from dflash_pipeline.storage import retention_record
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.tasks.common import artifact_key
 from tests.serving import SMALL, TINY_TRAINING
@@ -31,7 +31,7 @@ def test_flow_deletes_after_export_and_publishes_it(prefect_harness, model_dir, 
     store = Store(tmp_path / "store")
     assert summary.retention.startswith("retention after_export: v0001: ") and summary.bytes_freed > 0
     assert store.current() == "v0001" and store.units("v0001") == []
-    assert retention.read_record(store, "v0001")["version"]["export"]["path"] == summary.drafter
+    assert retention_record.read_record(store, "v0001")["version"]["export"]["path"] == summary.drafter
 
     async def artifacts():
         async with get_client() as client:

@@ -23,7 +23,7 @@ from dflash_pipeline.drafter.export import load_drafter
 from dflash_pipeline.drafter.retention import schedule, unit_index
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.stages import LocalRunner, run_pipeline
-from dflash_pipeline.storage import leases, retention
+from dflash_pipeline.storage import leases, retention, retention_record
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.snapshot import snapshot as new_snapshot
 from dflash_pipeline.storage.store import Store
@@ -111,7 +111,7 @@ def test_after_export_deletes_the_trained_version_only(source, tmp_path, capsys)
     for kept in ("zarr.json", "version.json", "batching.json", "plans"):  # what re-extraction and messages need
         assert (vdir / kept).exists(), kept
     assert store.planned_units(version) == units
-    record = json.loads((vdir / retention.RECORD).read_text())
+    record = json.loads((vdir / retention_record.RECORD).read_text())
     entry = record["version"]
     assert entry["mode"] == "after_export" and entry["state"] == "deleted" and entry["units"] == len(units)
     assert entry["export"]["path"] == summary.drafter and entry["export"]["store_version"] == version
@@ -135,7 +135,7 @@ def test_after_export_deletes_the_trained_version_only(source, tmp_path, capsys)
     # and deletes nothing more.
     again = run_pipeline(run_cfg(out, "after_export"), LocalRunner())
     assert again.drafter == summary.drafter and again.retention == summary.retention
-    assert retention.read_record(store, version)["version"]["at"] == entry["at"]
+    assert retention_record.read_record(store, version)["version"]["at"] == entry["at"]
 
 
 def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path):
@@ -154,7 +154,7 @@ def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path)
     assert reader[0]["hidden"].abs().sum() > 0  # still readable, all of it
     requests = retention.pending_requests(store, version)
     assert len(requests) == 1 and next(iter(requests.values()))["mode"] == "after_export"
-    assert "version" not in retention.read_record(store, version)  # the mark was never made or was undone
+    assert "version" not in retention_record.read_record(store, version)  # the mark was never made or was undone
 
     # DataLoader workers forked from the reader share its lease and do not drop it when they exit.
     loader = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2, multiprocessing_context="fork")
@@ -189,7 +189,7 @@ def test_a_reader_lease_keeps_current_until_the_reader_is_gone(source, tmp_path)
     done = stages.retain(cfg, version, summary.drafter)
     assert leases.live_leases(store, version) == [] and retention.pending_requests(store, version) == {}
     assert store.units(version) == [] and done.bytes_freed > 0
-    assert retention.read_record(store, version)["version"]["by_request"].startswith("requested at")
+    assert retention_record.read_record(store, version)["version"]["by_request"].startswith("requested at")
 
 
 def test_consumed_deletes_covered_units_and_a_resumed_training_replays_exactly(source, tmp_path, capsys):
@@ -215,7 +215,7 @@ def test_consumed_deletes_covered_units_and_a_resumed_training_replays_exactly(s
     with pytest.raises(KeyboardInterrupt):
         stages.train(cfg, report, version, progress=crash)
     assert set(store.units(version)) == set(sch.due) - covered  # exactly what the checkpoint covers, no more
-    record = retention.read_record(store, version)
+    record = retention_record.read_record(store, version)
     assert set(record["units"]) == covered
     for u in covered:
         e = record["units"][u]
@@ -257,7 +257,7 @@ def test_crash_mid_delete_then_verify_finish_and_reextract(source, tmp_path, cap
     env = {**os.environ, "DFLASH_KILL_AT": "retention_unit_deleted:1"}
     proc = subprocess.run([sys.executable, "-c", code, store.url, version], env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    entry = retention.read_record(store, version)["version"]
+    entry = retention_record.read_record(store, version)["version"]
     assert entry["state"] == "deleting"
     assert 0 < len(store.units(version)) < len(before)  # half done
     with pytest.raises(StoreError, match="are being deleted"):
@@ -267,12 +267,12 @@ def test_crash_mid_delete_then_verify_finish_and_reextract(source, tmp_path, cap
 
     done = retention.sweep(store)
     assert [o.whole_version for o in done] == [True] and done[0].deleted
-    assert retention.read_record(store, version)["version"]["state"] == "deleted" and store.units(version) == []
+    assert retention_record.read_record(store, version)["version"]["state"] == "deleted" and store.units(version) == []
 
     ex = extract_local(out, STORE)  # the same run again: the plan recreates the deleted units
     assert sorted(ex.plan.repaired_units) == sorted(before) and ex.result.tokens > 0
     assert_same_store(snapshot(store, version), before)
-    record = retention.read_record(store, version)
+    record = retention_record.read_record(store, version)
     assert "version" not in record and "re-extracting" in record["history"][-1]
     assert verify(store, capsys)[0] == 0 and len(HiddenStateDataset(store.url)) == 40
 
@@ -306,7 +306,7 @@ def test_deleted_units_by_the_documented_rule_and_a_nightly_snapshot(source, tmp
 
     new = new_snapshot(store, version)  # what a nightly run does to add new rows beside CURRENT
     assert store.units(new) == units[3:]
-    assert retention.read_record(store, new) == {}
+    assert retention_record.read_record(store, new) == {}
 
 
 def test_prune_skips_a_version_with_a_reader(source, tmp_path):
@@ -316,7 +316,7 @@ def test_prune_skips_a_version_with_a_reader(source, tmp_path):
     with HiddenStateDataset(store.url, version):
         with store.lock():
             assert store.prune(1) == []
-        assert store.units(version) and retention.read_record(store, version) == {}
+        assert store.units(version) and retention_record.read_record(store, version) == {}
     with store.lock():
         assert store.prune(1) == [version]
     assert store.versions() == ["v0002"]
