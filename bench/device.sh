@@ -150,7 +150,8 @@ for step in "$@"; do
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
       for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
-    # Issue 30 in one detached chain (bench/train3_chain.sh: packing against the defaults, 10 minutes, the 27B drafter);
+    # Issue 30 in one detached chain (bench/train3_chain.sh: query groups and packing against the defaults, ten minutes
+    # of the fastest, the 27B-shape drafter; T3_BUDGET_S ends it within the device budget);
     # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
     train3) mkdir -p /tmp/t3; rm -f /tmp/t3/done
             setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
@@ -161,7 +162,7 @@ for step in "$@"; do
       while [[ ! -e /tmp/t3/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/t3/pid)" 2>/dev/null; do sleep 10; done
       [[ -e /tmp/t3/done ]] && echo "chain done" || echo "chain still running (or ended early: see chain_log.txt)"
       tar -czf "$OUT/t3.tar.gz" -C /tmp/t3 . && echo "results: t3.tar.gz"
-      for f in flex_log levers_log long_log 27b_log; do tail -6 "/tmp/t3/$f.txt" 2>/dev/null || true; done ;;
+      for f in flex_log:6 levers_log:8 best:3 long_log:4 27b_log:4; do tail -"${f#*:}" "/tmp/t3/${f%:*}.txt" 2>/dev/null || true; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -103,6 +103,7 @@ def main() -> int:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--configs", default="", help="only these configurations, comma-separated (e.g. default,groups-8)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args()
@@ -112,6 +113,10 @@ def main() -> int:
         from torch.nn.attention.flex_attention import flex_attention as eager
 
         flex._compiled = lambda: eager  # (inductor's CPU flex kernel needs a full C++ toolchain)
+    only = {c.strip() for c in args.configs.split(",") if c.strip()}
+    unknown = only - {c[0] for c in CONFIGS} - {f"groups-{n}" for n in GROUPS}
+    if unknown or (only and "default" not in only):
+        p.error(f"--configs: unknown {sorted(unknown)}" if unknown else "--configs must include default (the reference)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -122,6 +127,8 @@ def main() -> int:
             ref = None
             grouped = [(f"groups-{n}", (128, 128), {}, n) for n in GROUPS]
             for name, mb, opts, groups in [(*c, 1) for c in CONFIGS] + grouped:
+                if only and name not in only:
+                    continue
                 row = {"shape": shape, "ctx": ctx_len, "config": name, "mask_block": mb, "options": opts}
                 try:
                     ms, res = run_config(mb, opts, a, q, k, v, do, args.block, args.iters, device, groups)
@@ -140,20 +147,35 @@ def main() -> int:
                 rows.append(row)
     flex.MASK_BLOCK, flex.KERNEL_OPTIONS = (128, 128), {}
     (out / "flex_tune.json").write_text(json.dumps(rows, indent=2))
-    # the fastest configuration over every shape and context (sum of times), among those exact to the default's
-    ok = {}
-    for r in rows:
-        if "ms" in r and r["max_rel_err"] < 2e-2 and not r["config"].startswith("groups-"):
-            ok.setdefault(r["config"], []).append(r["ms"])
-    if not ok:
+    # the fastest tile configuration, and apart from it the fastest query-group count (the default's tiles: groups=1)
+    tiles = fastest(rows, lambda c: not c.startswith("groups-"))
+    if tiles is None:
         print("no configuration ran: see the errors above", file=sys.stderr)
         return 1
-    n = max(len(v) for v in ok.values())
-    best = min((c for c, v in ok.items() if len(v) == n), key=lambda c: sum(ok[c]))
+    best, ms, n = tiles
     cfg = next(c for c in CONFIGS if c[0] == best)
     (out / "flex_best.json").write_text(json.dumps({"config": best, "mask_block": cfg[1], "kernel_options": cfg[2]}))
-    print(f"fastest: {best} ({sum(ok[best]):.2f} ms vs default {sum(ok.get('default', [0])):.2f} ms, {n} cases)")
+    default_ms = sum(r["ms"] for r in rows if r["config"] == "default" and "ms" in r)
+    print(f"fastest: {best} ({ms:.2f} ms vs default {default_ms:.2f} ms, {n} cases)")
+    best, ms, n = fastest(rows, lambda c: c == "default" or c.startswith("groups-"))
+    groups = 1 if best == "default" else int(best.removeprefix("groups-"))
+    (out / "groups_best.json").write_text(json.dumps({"attention_groups": groups, "ms": ms, "default_ms": default_ms}))
+    print(f"fastest query groups: {groups} ({ms:.2f} ms vs default {default_ms:.2f} ms, {n} cases)")
     return 0
+
+
+def fastest(rows: list[dict], eligible) -> tuple[str, float, int] | None:
+    """The eligible configuration with the least total time over every shape and context it ran in all of, among
+    those exact to the default's: (name, total ms, cases)."""
+    ok: dict[str, list[float]] = {}
+    for r in rows:
+        if "ms" in r and r["max_rel_err"] < 2e-2 and eligible(r["config"]):
+            ok.setdefault(r["config"], []).append(r["ms"])
+    if not ok:
+        return None
+    n = max(len(v) for v in ok.values())
+    best = min((c for c, v in ok.items() if len(v) == n), key=lambda c: sum(ok[c]))
+    return best, sum(ok[best]), n
 
 
 if __name__ == "__main__":

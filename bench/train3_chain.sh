@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
-# Issue 30 on one GPU, detached (bench/device.sh train3 starts it, train3-wait waits): the training levers not yet
-# measured on a GPU (train_bench.py, 8B shape: query groups for flex attention and packing against the defaults),
-# ten minutes of the fastest after warm-up, then the 27B-shape drafter. Results under /tmp/t3; /tmp/t3/done at the end. Run from bench/.
+# Issue 30 on one GPU, detached (bench/device.sh train3 starts it, train3-wait waits); run from bench/, results under
+# /tmp/t3, /tmp/t3/done at the end:
+#   1. flex_tune.py: the drafter's attention alone (8B shape), the default tiles against query groups
+#      (train.attention_groups); the fastest count G goes to the levers;
+#   2. the levers in training (train_bench.py, 8B shape): the defaults, attention_groups=G, and G with two samples
+#      packed in one row;
+#   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves);
+#   4. the 27B-shape drafter with the fastest lever, if the budget leaves T3_27B_NEED_S for it.
+# T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none). Other knobs:
+# T3_FLEX_CTX, T3_GROUPS, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
-# T3_FLEX=tune: FlexAttention tiles tuned first (flex_tune.py; session 15 found ~1.5% of a step, so off by default),
-# or the path of a flex_best.json measured before; T3_LEVERS=0 / T3_LONG=0: no levers / no ten-minute run;
-# T3_LEVER_VARIANTS: the levers' variants (session 15 measured autocast -> bf16 copies -> compiled loss chunk; now
-# query groups for flex attention's backward, and packing); the ten-minute run and the 27B-shape drafter take the
-# levers' fastest variant (by MFU); T3_27B_TOKENS, T3_27B_VARIANTS: the 27B-shape store and variants
-F=${T3_FLEX:-none}
-if [[ $F == tune ]]; then F=$T/flex/flex_best.json; python3 flex_tune.py --shapes 8b --out $T/flex > $T/flex_log.txt 2>&1; fi
-flex=""; [[ -e $F ]] && flex="flex=$F"
-[[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.25}" --warmup-minutes 0.5 --profile-steps 4 \
-  --variants "${T3_LEVER_VARIANTS:-defaults;attention_groups=4;attention_groups=8;pack=true,batch_size=2;pack=true,batch_size=4}" \
+budget=${T3_BUDGET_S:-0}
+end=$(( budget > 0 ? $(date +%s) + budget : 0 ))
+left() { if (( end > 0 )); then echo $(( end - $(date +%s) )); else echo 999999; fi; }
+configs=default; for g in ${T3_GROUPS:-4 8 16}; do configs+=",groups-$g"; done
+python3 flex_tune.py --shapes 8b --ctx "${T3_FLEX_CTX:-900}" --configs "$configs" --out $T/flex > $T/flex_log.txt 2>&1
+G=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['attention_groups'])" $T/flex/groups_best.json \
+  2>/dev/null || echo 8)
+[[ $G == 1 ]] && G=8  # (the default's tiles won alone: still measure a grouped layout in training, where it may differ)
+[[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 \
+  --variants "${T3_LEVER_VARIANTS:-defaults;attention_groups=$G;attention_groups=$G,pack=true,batch_size=2}" \
   --out $T/levers > $T/levers_log.txt 2>&1
-# the fastest lever's overrides as a variant ("" = the defaults), with the flex tiles if any
+# the fastest lever's overrides as a variant ("" = the defaults); failed variants are skipped
 best=$(python3 -c "
 import json, sys
-v = json.load(open(sys.argv[1]))['variants']
+v = [r for r in json.load(open(sys.argv[1]))['variants'] if 'mfu' in r]
 b = max(v, key=lambda r: r['mfu'])['overrides']
 print(','.join(f'{k}={x if isinstance(x, str) else json.dumps(x)}' for k, x in b.items()))
 " $T/levers/train_bench.json 2>/dev/null || true)
-best=${best:+$best${flex:+,$flex}}; best=${best:-$flex}
 echo "fastest lever: ${best:-defaults}" > $T/best.txt
-[[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "${T3_LONG_MIN:-10.75}" --warmup-minutes 0.5 --profile-steps 4 \
+# the long run: T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
+long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
+  "${T3_LONG_MIN:-11.0}" "$(left)")
+echo "long run: $long minutes" >> $T/best.txt
+[[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "$best" --out $T/long > $T/long_log.txt 2>&1
-python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-300000}" --work /tmp/dflash-train-bench-27b --minutes "${T3_LEVER_MIN:-1.25}" \
-  --warmup-minutes 0.5 --profile-steps 4 --variants "${T3_27B_VARIANTS:-${best:-defaults};anchors_per_sample=1024${best:+,$best}}" \
-  --out $T/27b \
-  > $T/27b_log.txt 2>&1
+if [[ ${T3_27B:-1} != 0 ]] && (( $(left) >= ${T3_27B_NEED_S:-270} )); then
+  python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
+    --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 --variants "${T3_27B_VARIANTS:-$best}" \
+    --out $T/27b > $T/27b_log.txt 2>&1
+else
+  echo "27B-shape drafter skipped: $(left) s of the budget left" >> $T/best.txt
+fi
 touch $T/done

@@ -334,10 +334,19 @@ def main() -> int:
         "variants": [],
     }
     for name, overrides in parse_variants(args.variants):
-        res["variants"].append(run_variant(name, overrides, args, work, meta, device, peak))
+        try:
+            res["variants"].append(run_variant(name, overrides, args, work, meta, device, peak))
+        except Exception as e:  # noqa: BLE001 - one variant's failure (an OOM, a kernel the compiler rejects) is its result
+            log(f"[{name}] failed: {type(e).__name__}: {str(e)[:500]}")
+            res["variants"].append({"variant": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}"})
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         (out / "train_bench.json").write_text(json.dumps(res, indent=2, default=str))
     print("\nvariant | tokens/s | MFU | data wait | peak GiB | steps in window")
     for v in res["variants"]:
+        if "error" in v:
+            print(f"{v['variant']} | failed: {v['error'].splitlines()[0][:120]}")
+            continue
         print(
             f"{v['variant']} | {v['tokens_per_s']:,.0f} | {v['mfu']:.3f} | {v['data_wait_fraction']:.2%} | "
             f"{v['peak_gpu_gib'] or 0:.1f} | {v['window_steps']}"
