@@ -154,10 +154,11 @@ for step in "$@"; do
     # of the fastest, the 27B-shape drafter; T3_BUDGET_S ends it within the device budget);
     # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
     train3) mkdir -p /tmp/t3; rm -f /tmp/t3/done
-            setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
+            rm -f /tmp/t3/end; setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
             echo $! > /tmp/t3/pid; echo "started, pid $(cat /tmp/t3/pid)" ;;
     train3-wait)
       [[ -e /tmp/t3/pid ]] || { echo "train3-wait: no train3 chain on this machine (released between calls?)" >&2; exit 3; }
+      [[ -n ${T3_LEFT_S:-} ]] && echo $(( $(date +%s) + T3_LEFT_S )) > /tmp/t3/end  # the budget left, as this call knows it
       end=$(( $(date +%s) + ${T3_WAIT:-560} ))
       while [[ ! -e /tmp/t3/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/t3/pid)" 2>/dev/null; do sleep 10; done
       [[ -e /tmp/t3/done ]] && echo "chain done" || echo "chain still running (or ended early: see chain_log.txt)"

@@ -7,14 +7,16 @@
 #      packed in one row;
 #   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves);
 #   4. the 27B-shape drafter with the fastest lever, if the budget leaves T3_27B_NEED_S for it.
-# T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none). Other knobs:
+# T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
+# `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
 # T3_FLEX_CTX, T3_GROUPS, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
+# $T/end: the epoch second by which the chain must end, from T3_BUDGET_S here or T3_LEFT_S of a later train3-wait
 budget=${T3_BUDGET_S:-0}
-end=$(( budget > 0 ? $(date +%s) + budget : 0 ))
-left() { if (( end > 0 )); then echo $(( end - $(date +%s) )); else echo 999999; fi; }
+(( budget > 0 )) && echo $(( $(date +%s) + budget )) > $T/end
+left() { if [[ -s $T/end ]]; then echo $(( $(cat $T/end) - $(date +%s) )); else echo 999999; fi; }
 configs=default; for g in ${T3_GROUPS:-4 8 16}; do configs+=",groups-$g"; done
 python3 flex_tune.py --shapes 8b --ctx "${T3_FLEX_CTX:-900}" --configs "$configs" --out $T/flex > $T/flex_log.txt 2>&1
 G=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['attention_groups'])" $T/flex/groups_best.json \
