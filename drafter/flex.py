@@ -51,8 +51,6 @@ def block_sparse_mask(
     groups: int = 1,
 ):
     """The BlockMask of `drafter.model.block_mask`'s rules; with groups > 1 a `QueryGroups` (see there)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     pad = 0
     groups = min(groups, anchors.shape[1])  # (a group per block at most: more would only add padding)
     if groups > 1:
@@ -63,10 +61,67 @@ def block_sparse_mask(
         first = F.pad(first, (0, pad)) if first is not None else None
         anchors, keep = anchors.reshape(b * groups, -1), keep.reshape(b * groups, -1)
         first = first.reshape(b * groups, -1) if first is not None else None
-    b, q_len = anchors.shape[0], anchors.shape[1] * block_size
-    mask_mod = visibility(anchors, keep, ctx_len, block_size, window, first)
-    mask = create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=anchors.device, BLOCK_SIZE=MASK_BLOCK)
+    mask = tile_mask(anchors, keep, ctx_len, block_size, window, first)
     return QueryGroups(mask, groups, pad * block_size, ctx_len) if groups > 1 else mask
+
+
+def tile_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor | None,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
+    first: torch.Tensor | None = None,
+):
+    """The BlockMask that torch's `create_block_mask(visibility(...))` builds, equal tensor for tensor, without
+    the dense [B, Q, ctx_len + Q] mask that it evaluates first.
+
+    Why: that dense mask grows with the square of a row's length. For four samples packed in a row (32,768 queries,
+    ~36,000 keys) it is 1.2 billion elements and a dozen elementwise passes over them every step, ~6% of the step's
+    GPU time (bench/RESULTS.md session 25). Here each query's visible keys are two intervals (its context range and
+    its own block's keys), so a tile's count of visible pairs is a sum of interval overlaps: [B, Q, key tiles]."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    qb, kb = MASK_BLOCK
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    dev = anchors.device
+    off = torch.arange(block_size, device=dev)
+    a = anchors.long()[:, :, None].expand(b, n, block_size)  # [B, N, bs]: per query
+    lo_c = first.long()[:, :, None].expand(b, n, block_size) if first is not None else torch.zeros_like(a)
+    hi_c = a.clamp(max=ctx_len)
+    if keep is not None:  # a dropped block sees no context
+        hi_c = torch.where(keep[:, :, None], hi_c, 0)
+    base = ctx_len + torch.arange(n, device=dev)[None, :, None] * block_size  # where each block's keys begin
+    lo_b, hi_b = base, base + block_size
+    if window is not None:  # query pos - key pos < window; causal inside the block
+        lo_c = lo_c.maximum(a + off - window + 1)
+        lo_b, hi_b = base + (off - window + 1).clamp(min=0), base + off + 1
+    starts = torch.arange(0, kv_len, kb, device=dev)
+    ends = (starts + kb).clamp(max=kv_len)
+
+    def overlap(lo, hi):  # [B, Q, key tiles]: how many of a tile's keys lie in [lo, hi) of each query
+        lo, hi = (t.expand(b, n, block_size).reshape(b, q_len, 1) for t in (lo, hi))
+        return (torch.minimum(hi, ends) - torch.maximum(lo, starts)).clamp(min=0).to(torch.int32)
+
+    seen = overlap(lo_c, hi_c) + overlap(lo_b, hi_b)
+    q_tiles = -(-q_len // qb)
+    seen = F.pad(seen, (0, 0, 0, q_tiles * qb - q_len)).view(b, q_tiles, qb, -1).sum(2)  # [B, query tiles, key tiles]
+    full = seen == qb * kb
+    return BlockMask.from_kv_blocks(
+        *_ordered((seen > 0) & ~full),
+        *_ordered(full),
+        BLOCK_SIZE=(qb, kb),
+        mask_mod=visibility(anchors, keep, ctx_len, block_size, window, first),
+        seq_lengths=(q_len, kv_len),
+    )
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, QT, KT] bool -> a BlockMask's (count, indices) [B, 1, QT] and [B, 1, QT, KT] int32: each row's tiles
+    first, in order (as torch orders them: a stable descending sort)."""
+    d = tiles[:, None].to(torch.int32)
+    return d.sum(-1, dtype=torch.int32), torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 @dataclass(frozen=True)
