@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 30 on one GPU, detached (bench/device.sh train3 starts it, train3-wait waits); run from bench/, results under
 # /tmp/t3, /tmp/t3/done at the end:
-#   1. flex_tune.py: the drafter's attention alone (8B shape), the default tiles against query groups
-#      (train.attention_groups); the fastest count G goes to the levers;
-#   2. the levers in training (train_bench.py, 8B shape): the defaults, attention_groups=G, and G with two samples
-#      packed in one row;
+#   1. (T3_FLEX=1) flex_tune.py: the drafter's attention alone (8B shape), the default tiles against query groups
+#      (train.attention_groups); T3_LEVER_VARIANTS may name the fastest count as {G} (attention_groups={G});
+#   2. the levers in training (train_bench.py, 8B shape): the defaults against packing 4 and 6 samples per step
+#      (session 25: packing 4 was the fastest, query groups cost more than they saved);
 #   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves);
 #   4. the 27B-shape drafter with the fastest lever, if the budget leaves T3_27B_NEED_S for it.
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
-# T3_FLEX=0, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
+# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
@@ -18,15 +18,15 @@ budget=${T3_BUDGET_S:-0}
 (( budget > 0 )) && echo $(( $(date +%s) + budget )) > $T/end
 left() { if [[ -s $T/end ]]; then echo $(( $(cat $T/end) - $(date +%s) )); else echo 999999; fi; }
 configs=default; for g in ${T3_GROUPS:-4 8 16}; do configs+=",groups-$g"; done
-[[ ${T3_FLEX:-1} == 0 ]] || python3 flex_tune.py --shapes 8b --ctx "${T3_FLEX_CTX:-900}" --configs "$configs" \
+[[ ${T3_FLEX:-0} == 0 ]] || python3 flex_tune.py --shapes 8b --ctx "${T3_FLEX_CTX:-900}" --configs "$configs" \
   --out $T/flex > $T/flex_log.txt 2>&1
 G=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['attention_groups'])" $T/flex/groups_best.json \
   2>/dev/null || echo 8)
 [[ $G == 1 ]] && G=8  # (the default's tiles won alone: still measure a grouped layout in training, where it may differ)
 reuse=""; [[ ${T3_REUSE:-0} == 1 ]] && reuse=--reuse  # (the 8B store of an earlier chain on this machine)
+variants=${T3_LEVER_VARIANTS:-defaults;pack=true,batch_size=4;pack=true,batch_size=6}
 [[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py $reuse --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 \
-  --variants "${T3_LEVER_VARIANTS:-defaults;attention_groups=$G;attention_groups=$G,pack=true,batch_size=2}" \
-  --out $T/levers > $T/levers_log.txt 2>&1
+  --variants "${variants//\{G\}/$G}" --out $T/levers > $T/levers_log.txt 2>&1
 # the fastest lever's overrides as a variant ("" = the defaults); failed variants are skipped
 best=$(python3 -c "
 import json, sys
