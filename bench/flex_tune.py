@@ -116,7 +116,9 @@ def main() -> int:
     only = {c.strip() for c in args.configs.split(",") if c.strip()}
     unknown = only - {c[0] for c in CONFIGS} - {f"groups-{n}" for n in GROUPS}
     if unknown or (only and "default" not in only):
-        p.error(f"--configs: unknown {sorted(unknown)}" if unknown else "--configs must include default (the reference)")
+        p.error(
+            f"--configs: unknown {sorted(unknown)}" if unknown else "--configs must include default (the reference)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -77,32 +77,34 @@ def tile_mask(
     the dense [B, Q, ctx_len + Q] mask that it evaluates first.
 
     Why: that dense mask grows with the square of a row's length. For four samples packed in a row (32,768 queries,
-    ~36,000 keys) it is 1.2 billion elements and a dozen elementwise passes over them every step, ~6% of the step's
-    GPU time (bench/RESULTS.md session 25). Here each query's visible keys are two intervals (its context range and
-    its own block's keys), so a tile's count of visible pairs is a sum of interval overlaps: [B, Q, key tiles]."""
+    ~36,000 keys) it is 1.2 billion elements and a dozen elementwise passes over them every step (on an H100 its
+    named ops alone took 3.8% of the step's GPU time, more went to unnamed ones: bench/RESULTS.md session 25).
+    Here each query's visible keys are two intervals (its context range and its own block's keys), so a tile's count
+    of visible pairs is a sum of interval overlaps: [B, Q, key tiles]."""
     from torch.nn.attention.flex_attention import BlockMask
 
     qb, kb = MASK_BLOCK
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
     dev = anchors.device
-    off = torch.arange(block_size, device=dev)
-    a = anchors.long()[:, :, None].expand(b, n, block_size)  # [B, N, bs]: per query
-    lo_c = first.long()[:, :, None].expand(b, n, block_size) if first is not None else torch.zeros_like(a)
+    i32 = torch.int32  # (positions fit; half the memory of int64 in the [B, Q, key tiles] counts)
+    off = torch.arange(block_size, device=dev, dtype=i32)
+    a = anchors.to(i32)[:, :, None].expand(b, n, block_size)  # [B, N, bs]: per query
+    lo_c = first.to(i32)[:, :, None].expand(b, n, block_size) if first is not None else torch.zeros_like(a)
     hi_c = a.clamp(max=ctx_len)
     if keep is not None:  # a dropped block sees no context
         hi_c = torch.where(keep[:, :, None], hi_c, 0)
-    base = ctx_len + torch.arange(n, device=dev)[None, :, None] * block_size  # where each block's keys begin
+    base = ctx_len + torch.arange(n, device=dev, dtype=i32)[None, :, None] * block_size  # where each block's keys begin
     lo_b, hi_b = base, base + block_size
     if window is not None:  # query pos - key pos < window; causal inside the block
         lo_c = lo_c.maximum(a + off - window + 1)
         lo_b, hi_b = base + (off - window + 1).clamp(min=0), base + off + 1
-    starts = torch.arange(0, kv_len, kb, device=dev)
+    starts = torch.arange(0, kv_len, kb, device=dev, dtype=i32)
     ends = (starts + kb).clamp(max=kv_len)
 
     def overlap(lo, hi):  # [B, Q, key tiles]: how many of a tile's keys lie in [lo, hi) of each query
         lo, hi = (t.expand(b, n, block_size).reshape(b, q_len, 1) for t in (lo, hi))
-        return (torch.minimum(hi, ends) - torch.maximum(lo, starts)).clamp(min=0).to(torch.int32)
+        return (torch.minimum(hi, ends) - torch.maximum(lo, starts)).clamp(min=0)
 
     seen = overlap(lo_c, hi_c) + overlap(lo_b, hi_b)
     q_tiles = -(-q_len // qb)

@@ -4,6 +4,7 @@ the recipe."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -151,13 +152,14 @@ def epoch_batches(n: int, cfg: TrainConfig, world: int, rank: int, epoch: int) -
     return [idx[i : i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
 
 
-def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.device) -> Iterator[dict]:
-    """Micro-batches from global micro index `start` on, epoch after epoch, from one DataLoader for the whole run.
+def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, stop: int, device: torch.device) -> Iterator[dict]:
+    """Micro-batches `start` to `stop` (global micro indices), epoch after epoch, from one DataLoader for the run.
 
     One loader, not one per epoch: a new loader starts its workers afresh, and the training waits at every epoch's
     start while they open the store and read their first batches. (The likely cause of the 3.3% data wait of a
     28 s window that held an epoch's start, four samples packed per step on an H100: bench/RESULTS.md session 25.)
-    The order is the same: epoch_batches, epoch after epoch."""
+    The order is the same: epoch_batches, epoch after epoch. It ends at `stop`, so the workers' read-ahead never
+    reads past the training's last step (units a retention may have deleted by then)."""
     from torch.utils.data import DataLoader
 
     def order() -> Iterator[list[int]]:
@@ -169,7 +171,7 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, device: torch.devic
 
     yield from DataLoader(
         ds,
-        batch_sampler=order(),
+        batch_sampler=itertools.islice(order(), max(stop - start, 0)),
         collate_fn=pack if cfg.pack else collate,
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda",

@@ -305,7 +305,7 @@ def train(
         job.ddp = DistributedDataParallel(
             job.work.module, device_ids=[d.device.index] if d.device.type == "cuda" else None
         )
-    batches = micro_batches(job.ds, cfg, d, start * cfg.grad_accum, d.device)
+    batches = micro_batches(job.ds, cfg, d, start * cfg.grad_accum, total * cfg.grad_accum, d.device)
 
     def save(step: int) -> None:
         if d.rank == 0:
