@@ -142,3 +142,22 @@ def linear_flops_per_token(model, stop_after: int) -> tuple[float, list[tuple[in
 def flops(lengths: list[int], lin: float, attn: list[tuple[int, int]]) -> float:
     # causal softmax attention: QK^T and PV, 2 flops per multiply-add, T(T+1)/2 pairs per head
     return sum(lin * t + sum(4 * h * d * t * (t + 1) / 2 for h, d in attn) for t in lengths)
+
+
+def kernel_busy(prof) -> float | None:
+    """Share of a torch.profiler span in which the GPU ran something: the union of its device events (kernels,
+    copies) over the time from the first one's start to the last one's end. What it leaves out is the GPU waiting on
+    the host (a synchronisation, launches slower than the kernels, the next batch). None without device events."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy, lo, hi = busy + hi - lo, s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    return busy / max(max(e for _, e in spans) - spans[0][0], 1e-9)

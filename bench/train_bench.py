@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from common import SHAPES, log, plan_store, profile_table, publish_store, saved_target, synthetic_samples, worker_spec
-from instruments import matmul_peak
+from instruments import kernel_busy, matmul_peak
 
 DATASHEET_TFLOPS = 989.0
 
@@ -253,10 +253,12 @@ def run_variant(name: str, overrides: dict, args, work: Path, meta: dict, device
             prof.stop()
         (Path(args.out) / f"profile_{name}.txt").write_text(profile_table(prof))
         res["profile_steps"] = [marks.get("prof_step"), marks.get("prof_end")]
+        res["profile_gpu_busy"] = kernel_busy(prof)  # the rest: the GPU waiting on the host in those steps
     shutil.rmtree(out, ignore_errors=True)
     log(
         f"[{name}] {res['tokens_per_s']:,.0f} tokens/s, MFU {res['mfu']:.3f} (datasheet {res['mfu_datasheet']:.3f}), "
-        f"data wait {res['data_wait_fraction']:.1%}, peak {res['peak_gpu_gib'] or 0:.1f} GiB, "
+        f"data wait {res['data_wait_fraction']:.1%}, GPU busy in the profile {res.get('profile_gpu_busy')}, "
+        f"peak {res['peak_gpu_gib'] or 0:.1f} GiB, "
         f"{res['window_steps']} steps in {dt:.0f} s"
     )
     return res
