@@ -160,4 +160,4 @@ def kernel_busy(prof) -> float | None:
         else:
             hi = max(hi, e)
     busy += hi - lo
-    return busy / max(max(e for _, e in spans) - spans[0][0], 1e-9)
+    return busy / max(hi - spans[0][0], 1e-9)  # (hi: the last run's end, the latest end of all)
