@@ -5,8 +5,8 @@
 #      (train.attention_groups); T3_LEVER_VARIANTS may name the fastest count as {G} (attention_groups={G});
 #   2. the levers in training (train_bench.py, 8B shape): the defaults against packing 4 and 6 samples per step
 #      (session 25: packing 4 was the fastest, query groups cost more than they saved);
-#   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves);
-#   4. the 27B-shape drafter with the fastest lever, if the budget leaves T3_27B_NEED_S for it.
+#   3. the 27B-shape drafter with the fastest lever (batch 1 if that fails), if the budget leaves T3_27B_NEED_S;
+#   4. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves).
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
 # T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
@@ -35,17 +35,21 @@ b = max(v, key=lambda r: r['mfu'])['overrides']
 print(','.join(f'{k}={x if isinstance(x, str) else json.dumps(x)}' for k, x in b.items()))
 " $T/levers/train_bench.json 2>/dev/null || true)
 echo "fastest lever: ${best:-defaults}" > $T/best.txt
+# the 27B-shape drafter before the long run (session 25 lost both to a machine taken back in the long run): the
+# fastest lever, and batch 1 if that did not fit
+if [[ ${T3_27B:-1} != 0 ]] && (( $(left) >= ${T3_27B_NEED_S:-270} )); then
+  run27() { python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
+    --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 --variants "$1" --out "$2" $3 > "$2_log.txt" 2>&1; }
+  run27 "${T3_27B_VARIANTS:-$best}" $T/27b
+  python3 -c "import json, sys; assert any('mfu' in r for r in json.load(open(sys.argv[1]))['variants'])" \
+    $T/27b/train_bench.json 2>/dev/null || run27 "" $T/27b-batch1 --reuse
+else
+  echo "27B-shape drafter skipped: $(left) s of the budget left" >> $T/best.txt
+fi
 # the long run: T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
 long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
   "${T3_LONG_MIN:-11.0}" "$(left)")
 echo "long run: $long minutes" >> $T/best.txt
 [[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "$best" --out $T/long > $T/long_log.txt 2>&1
-if [[ ${T3_27B:-1} != 0 ]] && (( $(left) >= ${T3_27B_NEED_S:-270} )); then
-  python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
-    --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 --variants "${T3_27B_VARIANTS:-$best}" \
-    --out $T/27b > $T/27b_log.txt 2>&1
-else
-  echo "27B-shape drafter skipped: $(left) s of the budget left" >> $T/best.txt
-fi
 touch $T/done
