@@ -5,8 +5,9 @@
 #      (train.attention_groups); T3_LEVER_VARIANTS may name the fastest count as {G} (attention_groups={G});
 #   2. the levers in training (train_bench.py, 8B shape): the defaults against packing 4 and 6 samples per step
 #      (session 25: packing 4 was the fastest, query groups cost more than they saved);
-#   3. the 27B-shape drafter with the fastest lever (batch 1 if that fails), if the budget leaves T3_27B_NEED_S;
-#   4. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves).
+#   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves), and
+#   4. the 27B-shape drafter with the fastest lever (batch 1 if that fails), if the budget leaves T3_27B_NEED_S;
+#      3 first where the levers reached T3_GOAL (0.60), else 4 first.
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
 # T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
@@ -27,29 +28,38 @@ reuse=""; [[ ${T3_REUSE:-0} == 1 ]] && reuse=--reuse  # (the 8B store of an earl
 variants=${T3_LEVER_VARIANTS:-defaults;pack=true,batch_size=4;pack=true,batch_size=6}
 [[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py $reuse --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "${variants//\{G\}/$G}" --out $T/levers > $T/levers_log.txt 2>&1
-# the fastest lever's overrides as a variant ("" = the defaults); failed variants are skipped
-best=$(python3 -c "
+# the fastest lever's overrides as a variant ("" = the defaults) and its MFU; failed variants are skipped
+read -r best_mfu best < <(python3 -c "
 import json, sys
 v = [r for r in json.load(open(sys.argv[1]))['variants'] if 'mfu' in r]
-b = max(v, key=lambda r: r['mfu'])['overrides']
-print(','.join(f'{k}={x if isinstance(x, str) else json.dumps(x)}' for k, x in b.items()))
-" $T/levers/train_bench.json 2>/dev/null || true)
-echo "fastest lever: ${best:-defaults}" > $T/best.txt
-# the 27B-shape drafter before the long run (session 25 lost both to a machine taken back in the long run): the
-# fastest lever, and batch 1 if that did not fit
-if [[ ${T3_27B:-1} != 0 ]] && (( $(left) >= ${T3_27B_NEED_S:-270} )); then
-  run27() { python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
+b = max(v, key=lambda r: r['mfu'])
+print(round(b['mfu'], 4), ','.join(f'{k}={x if isinstance(x, str) else json.dumps(x)}' for k, x in b['overrides'].items()))
+" $T/levers/train_bench.json 2>/dev/null || echo 0)
+echo "fastest lever: ${best:-defaults} (MFU ${best_mfu:-0})" > $T/best.txt
+
+run27b() {  # the 27B-shape drafter: the fastest lever, and batch 1 if that did not fit
+  if [[ ${T3_27B:-1} == 0 ]] || (( $(left) < ${T3_27B_NEED_S:-270} )); then
+    echo "27B-shape drafter skipped: $(left) s of the budget left" >> $T/best.txt; return
+  fi
+  one() { python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
     --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 --variants "$1" --out "$2" $3 > "$2_log.txt" 2>&1; }
-  run27 "${T3_27B_VARIANTS:-$best}" $T/27b
+  one "${T3_27B_VARIANTS:-$best}" $T/27b
   python3 -c "import json, sys; assert any('mfu' in r for r in json.load(open(sys.argv[1]))['variants'])" \
-    $T/27b/train_bench.json 2>/dev/null || run27 "" $T/27b-batch1 --reuse
+    $T/27b/train_bench.json 2>/dev/null || one "" $T/27b-batch1 --reuse
+}
+run_long() {  # the fastest lever for T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
+  [[ ${T3_LONG:-1} == 0 ]] && return
+  long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
+    "${T3_LONG_MIN:-11.0}" "$(left)")
+  echo "long run: $long minutes" >> $T/best.txt
+  python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
+    --variants "$best" --out $T/long > $T/long_log.txt 2>&1
+}
+# The order decides what a short budget (or a machine taken back) loses: with the goal's MFU (0.60) reached the
+# ten-minute run that shows it holds comes first; short of it, the 27B-shape drafter, never measured, does.
+if python3 -c "import sys; sys.exit(float(sys.argv[1]) < ${T3_GOAL:-0.60})" "${best_mfu:-0}"; then
+  run_long; run27b
 else
-  echo "27B-shape drafter skipped: $(left) s of the budget left" >> $T/best.txt
+  run27b; run_long
 fi
-# the long run: T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
-long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
-  "${T3_LONG_MIN:-11.0}" "$(left)")
-echo "long run: $long minutes" >> $T/best.txt
-[[ ${T3_LONG:-1} == 0 ]] || python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
-  --variants "$best" --out $T/long > $T/long_log.txt 2>&1
 touch $T/done
