@@ -153,8 +153,8 @@ for step in "$@"; do
     # Issue 30 in one detached chain (bench/train3_chain.sh: query groups and packing against the defaults, ten minutes
     # of the fastest, the 27B-shape drafter; T3_BUDGET_S ends it within the device budget);
     # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
-    train3) mkdir -p /tmp/t3; rm -f /tmp/t3/done
-            rm -f /tmp/t3/end; setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
+    train3) rm -rf /tmp/t3; mkdir -p /tmp/t3  # (a machine can come back with an earlier session's /tmp: session 26)
+            setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
             echo $! > /tmp/t3/pid; echo "started, pid $(cat /tmp/t3/pid)" ;;
     train3-wait)
       [[ -e /tmp/t3/pid ]] || { echo "train3-wait: no train3 chain on this machine (released between calls?)" >&2; exit 3; }

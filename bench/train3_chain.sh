@@ -10,7 +10,7 @@
 #      3 first where the levers reached T3_GOAL (0.60), else 4 first.
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
-# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
+# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_BEST (the lever without measuring the levers), T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
@@ -26,7 +26,7 @@ G=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['attention_
 [[ $G == 1 ]] && G=8  # (the default's tiles won alone: still measure a grouped layout in training, where it may differ)
 reuse=""; [[ ${T3_REUSE:-0} == 1 ]] && reuse=--reuse  # (the 8B store of an earlier chain on this machine)
 variants=${T3_LEVER_VARIANTS:-defaults;pack=true,batch_size=4;pack=true,batch_size=6}
-[[ ${T3_LEVERS:-1} == 0 ]] || python3 train_bench.py $reuse --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 \
+[[ ${T3_LEVERS:-1} == 0 || -n ${T3_BEST+x} ]] || python3 train_bench.py $reuse --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 \
   --variants "${variants//\{G\}/$G}" --out $T/levers > $T/levers_log.txt 2>&1
 # the fastest lever's overrides as a variant ("" = the defaults) and its MFU; failed variants are skipped
 read -r best_mfu best < <(python3 -c "
@@ -35,6 +35,7 @@ v = [r for r in json.load(open(sys.argv[1]))['variants'] if 'mfu' in r]
 b = max(v, key=lambda r: r['mfu'])
 print(round(b['mfu'], 4), ','.join(f'{k}={x if isinstance(x, str) else json.dumps(x)}' for k, x in b['overrides'].items()))
 " $T/levers/train_bench.json 2>/dev/null || echo 0)
+[[ -n ${T3_BEST+x} ]] && best=$T3_BEST best_mfu=0  # a lever named, not measured here ("" = the defaults)
 echo "fastest lever: ${best:-defaults} (MFU ${best_mfu:-0})" > $T/best.txt
 
 run27b() {  # the 27B-shape drafter: the fastest lever, and batch 1 if that did not fit
@@ -48,9 +49,10 @@ run27b() {  # the 27B-shape drafter: the fastest lever, and batch 1 if that did 
     $T/27b/train_bench.json 2>/dev/null || one "" $T/27b-batch1 --reuse
 }
 run_long() {  # the fastest lever for T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
+  # (11.3 minutes: the window after warm-up is ~50 s shorter than the run: session 26's 10.6 gave 9.6 minutes)
   [[ ${T3_LONG:-1} == 0 ]] && return
   long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
-    "${T3_LONG_MIN:-11.0}" "$(left)")
+    "${T3_LONG_MIN:-11.3}" "$(left)")
   echo "long run: $long minutes" >> $T/best.txt
   python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
     --variants "$best" --out $T/long > $T/long_log.txt 2>&1
