@@ -394,10 +394,7 @@ class UnitWriter:
         try:
             written = write()
         except StoreFull as e:
-            raise StoreFull(
-                f"{e}. This unit ({self.loc.url}) still needs up to {self._remaining_bytes() / 2**20:.1f} MiB "
-                "(uncompressed; about 0.7 of that with zstd)"
-            ) from e
+            raise self._still_needs(e) from e
         except OSError as e:
             err = resource_error(e, self.loc.url, self._remaining_bytes())
             if err is None:
@@ -417,29 +414,37 @@ class UnitWriter:
                 return  # an earlier shard is still being written; its commit will cover this one
             self.complete = self.committed == self.n_tokens
             committed = self.committed
-            self.loc.write_json_atomic(
-                "commit.json",
-                {
-                    "committed_tokens": committed,
-                    "complete": self.complete,
-                    "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed),
-                    "algorithm": digest.ALGORITHM,
-                    "files": dict(
-                        sorted(
-                            {
-                                **self._static_files,
-                                **{
-                                    k: d
-                                    for s0, fs in self._shard_files.items()
-                                    if s0 < committed
-                                    for k, d in fs.items()
-                                },
-                            }.items()
-                        )
-                    ),
-                },
-                before_commit=lambda: crash_point("during_commit"),
-            )
+            try:
+                self._write_commit(committed)
+            except StoreFull as e:  # the disk can fill at the commit record as well as at a shard
+                raise self._still_needs(e) from e
+
+    def _still_needs(self, e: StoreFull) -> StoreFull:
+        return StoreFull(
+            f"{e}. This unit ({self.loc.url}) still needs up to {self._remaining_bytes() / 2**20:.1f} MiB "
+            "(uncompressed; about 0.7 of that with zstd)"
+        )
+
+    def _write_commit(self, committed: int) -> None:
+        """commit.json: the tokens committed and every file up to them with its digest (under the lock)."""
+        self.loc.write_json_atomic(
+            "commit.json",
+            {
+                "committed_tokens": committed,
+                "complete": self.complete,
+                "committed_samples": sum(1 for _, s, n in self.samples if s + n <= committed),
+                "algorithm": digest.ALGORITHM,
+                "files": dict(
+                    sorted(
+                        {
+                            **self._static_files,
+                            **{k: d for s0, fs in self._shard_files.items() if s0 < committed for k, d in fs.items()},
+                        }.items()
+                    )
+                ),
+            },
+            before_commit=lambda: crash_point("during_commit"),
+        )
 
     def finish(self) -> None:
         """Wait for all writes; the unit is then complete. (The last buffer is sized to the unit's

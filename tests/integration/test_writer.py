@@ -99,6 +99,42 @@ def test_io_errors_are_retried(small_store, tmp_path, monkeypatch):
     assert np.array_equal(zarr.open_group(str(d), mode="r")["hidden"][:], h)
 
 
+def test_a_disk_full_at_the_commit_record_says_what_the_unit_still_needs(small_store, tmp_path, monkeypatch):
+    """The disk can fill at a commit record as well as at a shard (the tmpfs test of test_disk_full.py met it there
+    once): the same error as at a shard, with the space the unit still needs, and the record on disk stays the last
+    good one. The full disk is injected where the OS reports it: writing every commit record after the first."""
+    import contextlib
+    import errno
+    import json
+
+    from dflash_pipeline.storage import commit
+    from dflash_pipeline.storage.location import StoreFull
+
+    src = zarr.open_group(str(_unit_copy(small_store, tmp_path, "src")), mode="r")
+    h, last = src["hidden"][:], src["last_hidden"][:]
+    d = _empty_unit(small_store, tmp_path, "full", "zstd")  # several shards: a commit record after each
+    real, records = commit.write_atomic, []
+
+    def full_after_the_first_record(path, data, before_rename=None):
+        if path.name == "commit.json":
+            records.append(json.loads(data))
+            if len(records) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real(path, data, before_rename)
+
+    monkeypatch.setattr(commit, "write_atomic", full_after_the_first_record)
+    w = UnitWriter(d)
+    # closed as the extraction closes its writers: an ExitStack, whose close waits for the shards in flight and
+    # re-raises their failure
+    with pytest.raises(StoreFull, match=r"no space left writing .*commit\.json .*MiB free there.*still needs up to"):
+        with contextlib.ExitStack() as stack:
+            stack.callback(w.close)
+            w.add(0, h, last)
+            w.finish()
+    on_disk = json.loads((d / "commit.json").read_text())
+    assert on_disk == records[0] and on_disk["committed_tokens"] == 384 and not on_disk["complete"]
+
+
 @pytest.mark.parametrize(("n_procs", "codec_threads"), [(2, 1), (1, 3)])
 def test_writer_processes_write_the_same_bytes_as_threads(small_store, tmp_path, n_procs, codec_threads):
     """A GPU worker's path: shard buffers in shared memory, shards encoded and written by writer processes,
