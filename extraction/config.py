@@ -172,6 +172,11 @@ class ExtractConfig(Section):
 
 
 class ValidateConfig(Section):
-    recompute_samples: int = Field(4, ge=0, description="Samples re-run with a fresh batch-1 forward.")
+    recompute_samples: int = Field(
+        4,
+        ge=0,
+        description="Samples re-run with a fresh batch-1 forward, plus one of each unit changed since the last "
+        "validation.",
+    )
     seed: int = 0
     max_zero_row_fraction: float = Field(0.0, ge=0, le=1, description="Allowed share of all-zero token rows.")

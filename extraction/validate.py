@@ -32,7 +32,7 @@ from dflash_pipeline.errors import ValidationFailed
 from dflash_pipeline.extraction.config import ValidateConfig
 from dflash_pipeline.extraction.loader import decoder_layers, forward_or_eager
 from dflash_pipeline.storage import quant
-from dflash_pipeline.storage.layout import ARRAYS
+from dflash_pipeline.storage.layout import ARRAYS, VALIDATION
 from dflash_pipeline.storage.reader import read_rows
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.storage.validated import validated_state
@@ -192,6 +192,7 @@ def validate_store(
         report.state = validated_state(store, version)  # before the checks: what they vouch for
     except (ValueError, OSError) as e:  # an unreadable record: integrity reports it; nothing is vouched for
         report.state = {"-": f"unreadable: {type(e).__name__}"}
+    changed = _changed_since_last_validation(store, version, report.state)
     bad_units = _check_integrity(store, version, report)
     try:
         attrs = store.attrs(version)
@@ -328,7 +329,7 @@ def validate_store(
     healthy = {sid: w for sid, w in where.items() if w[0] not in bad_units}
     if model is not None and cfg.recompute_samples and healthy:
         try:
-            _recompute(store, version, attrs, healthy, cfg, model, device, report)
+            _recompute(store, version, attrs, healthy, cfg, model, device, report, changed)
         except Exception as e:  # noqa: BLE001 - e.g. a chunk that cannot be decoded
             report.add("recompute", False, f"{type(e).__name__}: {e}", states=True)
     return report
@@ -377,11 +378,32 @@ def _quant_bound(precision: str, scale: torch.Tensor | None, ref: torch.Tensor) 
 
 
 @torch.inference_mode()
-def _recompute(store, version, attrs, where, cfg, model, device, report) -> None:
+def _changed_since_last_validation(store: Store, version: str, state: dict[str, str]) -> set[str]:
+    """The units whose commit record differs from the one the version's last validation report vouched for (none
+    when there is no earlier report: a first validation covers units the run itself just extracted)."""
+    try:
+        before = (store.loc.read_json(f"{version}/{VALIDATION}") or {}).get("state")
+    except (ValueError, OSError, AttributeError):  # unreadable or not an object: integrity and the reader say so
+        return set()
+    if not isinstance(before, dict):
+        return set()
+    return {u for u, d in state.items() if u != "-" and before.get(u) != d}
+
+
+def _recompute(store, version, attrs, where, cfg, model, device, report, changed=frozenset()) -> None:
+    """cfg.recompute_samples samples (seeded), and one of each unit in `changed` that those miss: a unit replaced
+    since the last validation (a repair's re-extraction, or a directory copied in from another store, whose own
+    records are consistent) is recomputed before the version is vouched for again, not only scanned."""
     logical, k_ids = attrs["logical_dtype"], attrs["layer_ids"]
     precision = quant.scheme(attrs)
     tol = TOLERANCE[logical]
-    picks = random.Random(cfg.seed).sample(sorted(where), min(cfg.recompute_samples, len(where)))
+    rng = random.Random(cfg.seed)
+    picks = rng.sample(sorted(where), min(cfg.recompute_samples, len(where)))
+    covered = {where[sid][0] for sid in picks}
+    for u in sorted(set(changed) - covered):
+        in_unit = sorted(sid for sid, w in where.items() if w[0] == u)
+        if in_unit:
+            picks.append(rng.choice(in_unit))
     layers = decoder_layers(model)
     last_id = len(layers) - 1
     captured: dict[str, torch.Tensor] = {}

@@ -45,11 +45,18 @@ def validation_status(store: Store, version: str) -> str | None:
         if flag is not None:  # only true is ever written
             return f"{VERSION_RECORD}'s validated_before_publishing is {short(flag)}, not true: the record was edited"
         return None  # published before validation.json existed
+    checks = rec.get("checks") if isinstance(rec.get("checks"), list) else []
+    failed = [c for c in checks if not isinstance(c, dict) or c.get("ok") is not True]
     if rec.get("ok") is not True:
-        checks = rec.get("checks") if isinstance(rec.get("checks"), list) else []
-        failed = [c for c in checks if isinstance(c, dict) and not c.get("ok")]
-        first = f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed else ""
+        first = (
+            f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed and isinstance(failed[0], dict) else ""
+        )
         return f"its validation failed{first}"
+    if failed:  # validation writes ok = every check's ok
+        return (
+            f"its validation report {VALIDATION} says ok but lists a check that did not pass ({short(failed[0])}): "
+            "it was edited; rerun the pipeline's validate stage"
+        )
     state = rec.get("state")
     if (state is None and _publish_flag(store, version) is True) or not isinstance(state, dict | None):
         # (reports without a state predate the version record's flag: versions made since always have one)

@@ -222,6 +222,9 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
             StoreError, match=re.escape(f"validation.json has state {state}, not what validation wrote")
         ):
             HiddenStateDataset(root, version)
+    report.write_text(json.dumps({**failed, "ok": True}))  # a failed report with only "ok" set to true: a damage
+    with pytest.raises(StoreError, match="says ok but lists a check that did not pass .*it was edited"):
+        HiddenStateDataset(root, version)  # check found it read (the wrong states it had refused, served)
     bad = {**json.loads(passed), "ok": False, "checks": "none"}  # an edited failed report: named, no traceback
     report.write_text(json.dumps(bad))
     with pytest.raises(StoreError, match="its validation failed"):

@@ -159,3 +159,30 @@ def test_last_decoder_layer_validates_pre_norm(model_dir, tmp_path, model):
     r = validate_store(ex.store, ex.plan.version, ex.prepared, ValidateConfig(recompute_samples=4), model=model)
     assert r.ok, r.failures
     assert len(r.recomputed) == 4 and all(x["max_rel_err"] < 1e-5 for x in r.recomputed)
+
+
+def test_a_unit_changed_since_the_last_validation_is_recomputed(small_store, copy, model):
+    """A unit replaced after a validation with records that agree with its files (here: states 1% off, recommitted;
+    in the field: a unit directory copied in from a store of another layer set) passes every scan; only a forward
+    tells. Revalidating (what verify advises for a changed unit) recomputes a sample of it, not only the seeded
+    pick, which may never land in it."""
+    import json
+
+    from dflash_pipeline.storage.layout import VALIDATION
+
+    version = small_store.plan.version
+    first = _validate(small_store, copy, model, n=1)
+    assert first.ok, first.failures
+    Store(copy).loc.write_atomic(f"{version}/{VALIDATION}", json.dumps(first.to_dict()).encode())  # as the stage does
+    picked = first.recomputed[0]["sample_id"]
+    u = next(
+        u
+        for u in Store(copy).units(version)
+        if picked not in {s[0] for s in Store(copy).unit_attrs(version, u)["samples"]}
+    )
+    g = Store(copy).open_unit(version, u, mode="r+")
+    g["hidden"][:] = g["hidden"][:] * 1.01
+    _recommit(copy, version, u)
+    again = _validate(small_store, copy, model, n=1)
+    assert len(again.recomputed) == 2 and again.recomputed[0]["sample_id"] == picked
+    assert not again.ok and any(f"(unit {u})" in f and "differ from the target's forward" in f for f in again.failures)
