@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
+from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.storage import quant
@@ -113,7 +114,16 @@ def pin_token_budget(store: Store, version: str, report: ProbeReport) -> ProbeRe
     if not store.loc.exists(key):
         store.loc.write_atomic(key, json.dumps({"token_budget": report.token_budget}).encode())
         return report
-    budget = int(json.loads(store.loc.read_bytes(key))["token_budget"])
+    try:
+        budget = int(json.loads(store.loc.read_bytes(key))["token_budget"])
+        if budget < 1:
+            raise ValueError(f"token_budget {budget} < 1")
+    except (ValueError, TypeError, KeyError) as e:  # (a damage check: NUL bytes appended were a traceback)
+        raise StoreError(
+            f"{store.loc.url_of(key)} is damaged ({type(e).__name__}: {e}); it records the token budget this "
+            f'version was first extracted with: restore it, or write {{"token_budget": N}} with the extract.'
+            "token_budget of that run (the probe's log names it), or delete the version and extract it again"
+        ) from e
     if budget != report.token_budget:
         log.info(
             "%s was extracted with %d tokens per batch; using that again (this run's probe planned %d)",

@@ -328,8 +328,14 @@ class LocalLocation(Location):
 
     @contextmanager
     def lock(self, rel: str, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
-        self._p(rel).parent.mkdir(parents=True, exist_ok=True)
-        with commit.exclusive_lock(self._p(rel), holder, busy):
+        path = self._p(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file():  # (a damage check: a directory there was a traceback)
+            raise StoreError(
+                f"{path} is the store's lock file, but it is not a file: remove it (rm -r {path}; no run holds a "
+                "lock there) and rerun"
+            )
+        with commit.exclusive_lock(path, holder, busy):
             yield
 
     def check(self, write: bool) -> None:

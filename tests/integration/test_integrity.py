@@ -435,3 +435,26 @@ def test_a_unit_linked_from_another_disk_is_read_through_and_its_target_never_de
     rerun = extract_local(tmp_path, SMALL)
     assert rerun.result.forward_passes == batches["u00001"]
     assert_same_store(before, snapshot(Store(root), version))
+
+
+def test_a_damaged_batching_record_or_lock_file_is_named_not_a_traceback(small_store, tmp_path):
+    """Found by a damage check: NUL bytes appended to <version>/batching.json, and a directory where the store's
+    .lock file goes, each ended the rerun (and verify --repair) in a traceback."""
+    from dflash_pipeline.errors import StoreError
+    from dflash_pipeline.extraction.plan import pin_token_budget
+
+    root = tmp_path / "store"
+    shutil.copytree(small_store.store, root)
+    version = small_store.plan.version
+    record = root / version / "batching.json"
+    assert pin_token_budget(Store(root), version, small_store.report).token_budget > 0
+    for damage in (b"\0", b""):
+        record.write_bytes(record.read_bytes() + damage if damage else b'{"token_budget": 0}')
+        with pytest.raises(StoreError, match=rf"{record} is damaged .*restore it, or write"):
+            pin_token_budget(Store(root), version, small_store.report)
+    lock = root / ".lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    with pytest.raises(StoreError, match=rf"{lock} is the store's lock file, but it is not a file: remove it"):
+        with Store(root).loc.lock(".lock", "test", StoreError):
+            pass
