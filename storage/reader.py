@@ -205,6 +205,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             rec = self.store.commit_record(self.version, unit)
             self._files[unit] = rec.get("files") or {}
             committed = rec["committed_tokens"]
+            if not committed:  # nothing of it committed yet (partial: a unit being planned may not have its
+                continue  # attributes yet; a damage check's poll during a run met that as a KeyError)
             ua = self.store.unit_attrs(self.version, unit)
             self._shard_tokens[unit] = ua["shard_tokens"]
             for sid, start, length in ua["samples"]:

@@ -43,6 +43,15 @@ def test_reader_sees_only_committed_samples(clean_extraction, tmp_path):
     for i in range(len(partial)):
         partial[i]
 
+    # a unit being planned (its group made, no attributes, commit or plan record yet), as a poll during a run can
+    # find it: partial=True reads the others (a damage check met a KeyError here)
+    (root / version / "units" / u / "commit.json").unlink()
+    (root / version / "plans" / f"{u}.json").unlink()
+    meta = root / version / "units" / u / "zarr.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "attributes": {}}))
+    polled = HiddenStateDataset(root, version, partial=True, unvalidated="warn")
+    assert {s.unit for s in polled.samples} == set(store.units(version)) - {u} and len(polled) > 0
+
 
 def test_items_and_dataloader_workers(small_store):
     ds = HiddenStateDataset(small_store.store, unvalidated="warn")  # no CURRENT yet: the newest, with a warning
