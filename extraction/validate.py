@@ -377,7 +377,6 @@ def _quant_bound(precision: str, scale: torch.Tensor | None, ref: torch.Tensor) 
     return quant.error_bound(precision, scale, ref) / ref.norm().clamp_min(1e-12).item()
 
 
-@torch.inference_mode()
 def _changed_since_last_validation(store: Store, version: str, state: dict[str, str]) -> set[str]:
     """The units whose commit record differs from the one the version's last validation report vouched for (none
     when there is no earlier report: a first validation covers units the run itself just extracted)."""
@@ -390,6 +389,7 @@ def _changed_since_last_validation(store: Store, version: str, state: dict[str, 
     return {u for u, d in state.items() if u != "-" and before.get(u) != d}
 
 
+@torch.inference_mode()
 def _recompute(store, version, attrs, where, cfg, model, device, report, changed=frozenset()) -> None:
     """cfg.recompute_samples samples (seeded), and one of each unit in `changed` that those miss: a unit replaced
     since the last validation (a repair's re-extraction, or a directory copied in from another store, whose own
