@@ -404,8 +404,18 @@ class Store:
         )
 
     def new_version_name(self) -> str:
-        versions = self.versions()
-        return f"v{int(versions[-1][1:]) + 1:04d}" if versions else "v0001"
+        """Past every v + digits directory, a version or not: one whose zarr.json was deleted still holds its units
+        (a damage check's rerun crashed creating its name again); it is left as it is, for its owner to restore."""
+        names = [v for v in self.loc.list_dirs() if VERSION_NAME.fullmatch(v)]
+        versions = set(self.versions())
+        stray = sorted(v for v in names if v not in versions)
+        if stray:
+            log.warning(
+                "%s: %s not a version (no zarr.json, e.g. deleted): left untouched; a new version is made beside it",
+                self.url,
+                ", ".join(stray) + (" is" if len(stray) == 1 else " are"),
+            )
+        return f"v{max((int(v[1:]) for v in names), default=0) + 1:04d}"
 
     def prune(self, keep: int) -> list[str]:
         """Delete all but the newest `keep` versions; never CURRENT, never a version another process reads (holds

@@ -6,6 +6,7 @@ damaged units."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -458,3 +459,19 @@ def test_a_damaged_batching_record_or_lock_file_is_named_not_a_traceback(small_s
     with pytest.raises(StoreError, match=rf"{lock} is the store's lock file, but it is not a file: remove it"):
         with Store(root).loc.lock(".lock", "test", StoreError):
             pass
+
+
+def test_a_version_without_its_zarr_json_is_left_and_a_rerun_extracts_beside_it(small_store, tmp_path, caplog):
+    """Found by a damage check: with <version>/zarr.json deleted the directory is no version, and the rerun tried
+    to create a version of that same name over it (FileExistsError). Now the new version is made beside it and the
+    old directory, with its units, is left untouched (named in a warning)."""
+    root = tmp_path / "store"
+    shutil.copytree(small_store.store, root)
+    version = small_store.plan.version
+    (root / version / "zarr.json").unlink()
+    files = {p.relative_to(root): p.read_bytes() for p in (root / version).rglob("*") if p.is_file()}
+    with caplog.at_level(logging.WARNING):
+        ex = extract_local(tmp_path / "run", {**SMALL, "store_path": str(root)})
+    assert ex.plan.version != version and f"{version} is not a version (no zarr.json" in caplog.text
+    assert {p.relative_to(root): p.read_bytes() for p in (root / version).rglob("*") if p.is_file()} == files
+    assert_same_store(snapshot(Store(root), ex.plan.version), snapshot(Store(small_store.store), version))
