@@ -136,6 +136,8 @@ def _reuse(final: Path) -> PrepareResult | None:
     if not manifest.exists():
         return None
     res = PrepareResult(**json.loads(manifest.read_text()))
+    # The manifest's own directory is where the data is: an output_dir moved or copied since keeps working.
+    res.path, res.quarantine_path = str(final / "dataset"), str(final / "quarantine.jsonl")
     res.reused = True
     log.info("prepared dataset %s already exists (%d samples); reusing it", final, res.n_samples)
     return res

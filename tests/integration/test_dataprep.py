@@ -148,6 +148,20 @@ def test_determinism_same_fingerprint_same_shards(tmp_path, tokenizer):
     assert other.fingerprint != a.fingerprint
 
 
+def test_a_moved_output_dir_reuses_its_prepared_dataset_where_it_is_now(tmp_path, tokenizer):
+    """The manifest records absolute paths; a run directory moved since (another disk) reads the data at its new
+    place instead of failing on the old one (found by a damage check: a traceback naming the old directory)."""
+    import shutil
+
+    cfg = DataConfig(max_samples=20)
+    a = prepare_dataset(cfg, resolve_source("embedded"), tokenizer, tmp_path / "a")
+    shutil.move(tmp_path / "a", tmp_path / "moved")
+    again = prepare_dataset(cfg, resolve_source("embedded"), tokenizer, tmp_path / "moved")
+    assert again.reused and again.path == str(tmp_path / "moved" / a.fingerprint / "dataset")
+    assert again.quarantine_path.startswith(str(tmp_path / "moved"))
+    assert len(load_prepared(again.path)) == a.n_samples == 20
+
+
 def test_sharegpt_and_messages_files_give_identical_samples(tmp_path, tokenizer):
     from dflash_pipeline.embedded.build import CONVERSATIONS, CONVERSATIONS_MESSAGES
 
