@@ -18,6 +18,7 @@ and `torch.from_numpy(a).view(torch.bfloat16)` restores it bit-exactly.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,10 @@ ARRAYS = ("hidden", "hidden_scale", "last_hidden", "last_hidden_scale", "input_i
 VERSION_RECORD = "version.json"  # digests of the version attributes readers depend on
 VALIDATION = "validation.json"  # <version>/validation.json: the last validation report of the version
 PLANS = "plans"  # <version>/plans/<unit>.json: each unit's planned attributes, written once by the planner
+# The planner names units u00000, u00001, ...: any other name under units/ or plans/ (a backup copy, a note) is no
+# part of the store and is never read as a unit (a damage check: a stray plans/notes.json made readers refuse an
+# intact store as "a unit directory missing").
+UNIT_NAME = re.compile(r"u[0-9]{5,}")
 # Version attributes that readers depend on (covered by the version record's digests).
 READER_ATTRS = (
     "format_version",

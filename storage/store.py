@@ -25,6 +25,7 @@ from dflash_pipeline.storage.layout import (
     NOTHING_COMMITTED,
     PLANS,
     READER_ATTRS,
+    UNIT_NAME,
     VALIDATION,
     VERSION_RECORD,
     commit_record_problem,
@@ -128,6 +129,7 @@ class Store:
     def __init__(self, root: str | Path, options: dict[str, Any] | None = None):
         self.loc: Location = open_location(root, options)
         self.url = self.loc.url  # path or URL, for messages
+        self._strays: set[str] = set()  # what _unit_names has warned of
 
     # ---- versions -------------------------------------------------------------------------------
     def versions(self) -> list[str]:
@@ -479,8 +481,8 @@ class Store:
 
     def planned_units(self, version: str) -> list[str]:
         """Units with a plan record (whether or not their directory still exists)."""
-        files = self.loc.list_files(f"{version}/{PLANS}")
-        return sorted(r.removesuffix(".json") for r in files if r.endswith(".json") and "/" not in r and r[0] != ".")
+        names = [r.removesuffix(".json") for r in self.loc.list_files(f"{version}/{PLANS}") if r[0] != "."]
+        return sorted(self._unit_names(f"{version}/{PLANS}", [n for n in names if "/" not in n], ".json"))
 
     def unit_location(self, version: str, unit: str) -> Location:
         """Where one unit lives (what storage.writer.UnitWriter writes through)."""
@@ -493,9 +495,21 @@ class Store:
     def units(self, version: str) -> list[str]:
         return [
             u
-            for u in self.loc.list_dirs(f"{version}/units")
+            for u in self._unit_names(f"{version}/units", self.loc.list_dirs(f"{version}/units"), "")
             if self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json")
         ]
+
+    def _unit_names(self, folder: str, names: list[str], suffix: str) -> list[str]:
+        """`names` that are unit names (layout.UNIT_NAME); each other one is named in a warning, once."""
+        units = [n for n in names if UNIT_NAME.fullmatch(n)]
+        for n in set(names) - set(units):
+            if (where := f"{folder}/{n}{suffix}") not in self._strays:
+                self._strays.add(where)
+                log.warning(
+                    "%s is not part of the store (units are named u00000, u00001, ...): ignored; move it out of %s",
+                    self.loc.url_of(where), self.loc.url_of(folder),
+                )  # fmt: skip
+        return units
 
     def unit_attrs(self, version: str, unit: str) -> dict[str, Any]:
         return dict(self.open_unit(version, unit).attrs)

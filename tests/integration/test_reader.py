@@ -273,3 +273,23 @@ def test_an_array_no_record_covers_is_never_read(tmp_path):
     shutil.copytree(unit / "hidden", unit / "last_hidden")
     item = HiddenStateDataset(root)[0]
     assert "last_hidden" not in keys and set(item) == keys
+
+
+def test_stray_files_beside_the_units_are_ignored_and_named(small_store, tmp_path, caplog):
+    """Found by a damage check: a note left in plans/ read as the plan of a unit whose directory was missing, so
+    readers and verify refused an intact store. Only the planner's names (u00000, ...) are units; a stray plan file
+    or a backup copy of a unit directory is named in a warning and never read."""
+    from dflash_pipeline.storage.verify import verify_version
+
+    root = tmp_path / "store"
+    shutil.copytree(small_store.store, root)
+    version = small_store.plan.version
+    want = [s.sample_id for s in HiddenStateDataset(root, version, unvalidated="warn").samples]
+    unit = Store(root).units(version)[0]
+    (root / version / "plans" / "notes.json").write_text('{"samples": [["x", 0, 5]]}')
+    shutil.copytree(root / version / "units" / unit, root / version / "units" / f"{unit}.bak")
+    with caplog.at_level("WARNING"):
+        ds = HiddenStateDataset(root, version, unvalidated="warn")
+    assert [s.sample_id for s in ds.samples] == want
+    assert verify_version(Store(root), version).ok
+    assert "plans/notes.json is not part of the store" in caplog.text and f"{unit}.bak is not part" in caplog.text
