@@ -10,7 +10,7 @@
 #      3 first where the levers reached T3_GOAL (0.60), else 4 first.
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
-# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_BEST (the lever without measuring the levers), T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
+# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_BEST (the lever without measuring the levers), T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_LONG_TOKENS (the 8B store's size where none is reused), T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
@@ -54,8 +54,8 @@ run_long() {  # the fastest lever for T3_LONG_MIN, or what the budget leaves les
   long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
     "${T3_LONG_MIN:-11.3}" "$(left)")
   echo "long run: $long minutes" >> $T/best.txt
-  python3 train_bench.py --reuse --minutes "$long" --warmup-minutes 0.5 --profile-steps 4 \
-    --variants "$best" --out $T/long > $T/long_log.txt 2>&1
+  python3 train_bench.py --reuse --tokens "${T3_LONG_TOKENS:-400000}" --minutes "$long" --warmup-minutes 0.5 \
+    --profile-steps 4 --variants "$best" --out $T/long > $T/long_log.txt 2>&1
 }
 # The order decides what a short budget (or a machine taken back) loses: with the goal's MFU (0.60) reached the
 # ten-minute run that shows it holds comes first; short of it, the 27B-shape drafter, never measured, does.
