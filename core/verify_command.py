@@ -105,7 +105,7 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
         print(
             f"warning: {line} (--unvalidated: not counted)"
             if args.unvalidated
-            else f"{line}: {unvalidated_fix(store, version)}"
+            else f"{line}: {unvalidated_fix(store, version, unvalidated)}"
         )
     print(report.summary() + ("" if not unvalidated or args.unvalidated else "; not validated (see above)"))
     if args.repair and report.damaged_units() and not report.attributes_vouched:

@@ -166,7 +166,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if why := validation_status(self.store, self.version):
             msg = f"store version {self.store.loc.url_of(self.version)} is not validated: {why}"
             if unvalidated == "refuse":
-                raise StoreError(f"{msg}. Refusing to read it: {unvalidated_fix(self.store, self.version)}")
+                raise StoreError(f"{msg}. Refusing to read it: {unvalidated_fix(self.store, self.version, why)}")
             log.warning("%s; reading it anyway (unvalidated='warn')", msg)
         self.attrs = self.store.attrs(self.version)
         self.logical = self.attrs["logical_dtype"]

@@ -98,8 +98,18 @@ def _publish_flag(store: Store, version: str):
     return record.get("validated_before_publishing") if isinstance(record, dict) else None
 
 
-def unvalidated_fix(store: Store, version: str) -> str:
-    return (
-        f"run the pipeline's validate stage on {store.url} (a run with extract and validate), or read it anyway: "
-        f"`HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, `dflash-pipeline verify --unvalidated`"
+def unvalidated_fix(store: Store, version: str, why: str) -> str:
+    """What to do about a version that `validation_status` gave `why` for. A failed validation is not rerun as it
+    is: validating the same bytes again fails the same way (a damage check followed such advice in a loop)."""
+    anyway = (
+        f"or read it anyway: `HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, "
+        "`dflash-pipeline verify --unvalidated`"
     )
+    if why.startswith("its validation failed"):
+        return (
+            f"validating it again fails the same way: first do what the failed check says (every check is in "
+            f"{store.loc.url_of(f'{version}/{VALIDATION}')}; a unit it names can be deleted: its plan record stays, "
+            f"and the rerun extracts it again), then rerun the pipeline on {store.url} (extract and validate); "
+            + anyway
+        )
+    return f"run the pipeline's validate stage on {store.url} (a run with extract and validate), {anyway}"

@@ -200,8 +200,11 @@ def test_only_validated_versions_are_read_by_default(validated, tmp_path, capsys
     failed["checks"][0] = {"check": "integrity", "ok": False, "detail": "unit u00001 ... damaged"}
     report.write_text(json.dumps(failed))
     Store(root).set_current(version)
-    with pytest.raises(StoreError, match="is not validated: its validation failed: integrity: unit u00001"):
+    with pytest.raises(StoreError, match="is not validated: its validation failed: integrity: unit u00001") as e:
         HiddenStateDataset(root)
+    # (not "run validate": a damage check followed that advice in a loop, the same bytes failing the same way)
+    assert "validating it again fails the same way: first do what the failed check says" in str(e.value)
+    assert "run the pipeline's validate stage" not in str(e.value)
     assert cli(["verify", str(root)]) == 1
     assert "is not validated: its validation failed" in capsys.readouterr().out
     assert cli(["verify", str(root), "--unvalidated"]) == 0
