@@ -335,7 +335,7 @@ def check_unit(
             problems.append(P(f, "not covered by the commit record"))
     if digests is None:
         return problems, 0, 0
-    n_bytes, per_shard = 0, {}  # array -> chunks per shard (its metadata, read once)
+    n_bytes, per_shard, edited = 0, {}, []  # per_shard: array -> chunks per shard (its metadata, read once)
     for f, want in sorted(files.items()):
         if want is None:  # zarr wrote no file: every value is the fill value
             if what := null_entry_problem(f, f in listing):
@@ -359,9 +359,11 @@ def check_unit(
             elif digest.CHUNKS in want and _chunks_of(store, unit_rel, f, size, per_shard) != want[digest.CHUNKS]:
                 # the file is as committed, its record's `chunks` is not: the default reader would refuse the shard
                 # for good (a damage check), so the unit is rebuilt, with a true record
-                problems.append(P(f, "the commit record's chunks entry differs from the file (the record was edited)"))
-
-    return problems, len(files), n_bytes
+                edited.append(P(f, "the commit record's chunks entry differs from the file (the record was edited)"))
+    # ... unless the array's own zarr.json is damaged: the shard's chunks were then read with a wrong layout (or
+    # none), and the record is not to blame (a damage check saw it blamed)
+    bad_meta = {p.array for p in problems if p.file == f"{rel}/{p.array}/zarr.json"}
+    return problems + [p for p in edited if p.array not in bad_meta], len(files), n_bytes
 
 
 def _chunks_of(store: Store, unit_rel: str, f: str, size: int, per_shard: dict[str, int | None]) -> str | None:

@@ -185,3 +185,26 @@ def test_a_repair_with_a_record_or_unit_in_the_wrong_shape_names_it(small_store,
         name = "discarded.json should be a file" if place == "discarded_json_a_directory" else ".discarded should be a"
         assert rc == 3 and name in err and "move it aside" in err, err
         assert (v / U1).is_dir()  # nothing was discarded
+
+
+@pytest.mark.parametrize("damage", ["truncated", "chunk_shape_edited"])
+def test_a_damaged_array_metadata_is_blamed_not_the_commit_records(uncompressed_store, tmp_path, capsys, damage):
+    """A damage check: with an array's zarr.json damaged, `verify` also blamed the intact commit record of every
+    shard of that array ("the record was edited"), since their chunks were read with a wrong layout or none. Only
+    the array's zarr.json is named now."""
+    root, version = tmp_path / "store", uncompressed_store.plan.version
+    shutil.copytree(uncompressed_store.store, root)
+    meta = root / version / U0 / "hidden" / "zarr.json"
+    if damage == "truncated":
+        meta.write_bytes(meta.read_bytes()[:200])
+    else:  # a layout that parses: shards of other chunks, same size
+        text = meta.read_text()
+        i = text.index('"chunk_shape"', text.index("sharding_indexed"))
+        j = text.index("]", i)
+        first = text[i:j].split("[")[1].split(",")[0].strip()
+        other = str(int(first) - 1).rjust(len(first))  # (JSON allows the space: the file keeps its size)
+        meta.write_text(text[:i] + text[i:j].replace(first, other, 1) + text[j:])
+        assert meta.stat().st_size == len(text.encode())
+    assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
+    out = capsys.readouterr().out
+    assert f"{U0}/hidden/zarr.json: " in out and "chunks entry" not in out, out
