@@ -108,11 +108,13 @@ def _in_memory_store(args, work: Path, device: str, dtype_name: str, overrides: 
     from dflash_pipeline.extraction.extract import run_worker
 
     t = time.monotonic()
-    model = build_model(args.shape, device, getattr(torch, dtype_name))
-    write_manifest_checkpoint(model, work / "model")  # the probe reads every tensor's header
+    # The probe reads every tensor's header and plans on the device's free memory, so it runs before the weights
+    # take the GPU (after, a 27B target on an 80 GB H100 left 28.5 GiB "free" for its own 52.5: refused).
+    write_manifest_checkpoint(build_model(args.shape, "meta", getattr(torch, dtype_name)), work / "model")
     cfg = load_config(None, {"output_dir": str(work), "target.model_path": str(work / "model"),
                              "target.dtype": dtype_name, **overrides})  # fmt: skip
     report = bench_probe(cfg)
+    model = build_model(args.shape, device, getattr(torch, dtype_name))
     vocab = model.config.vocab_size
     ids = synthetic_samples(args.tokens, vocab, seed=1)
     _, version, units = plan_store(work / "store", report, cfg, *ids, dtype_name)
