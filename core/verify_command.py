@@ -102,11 +102,14 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
         print(p.line())
     if unvalidated:
         line = f"{store.loc.url_of(version)} is not validated: {unvalidated}"
-        print(
-            f"warning: {line} (--unvalidated: not counted)"
-            if args.unvalidated
-            else f"{line}: {unvalidated_fix(store, version, unvalidated)}"
+        # (unit directories swapped by hand: moved back, the version is as validated; validating it as it is would
+        # publish the swapped order)
+        fix = (
+            "move the unit directories back (above)"
+            if report.misplaced
+            else unvalidated_fix(store, version, unvalidated)
         )
+        print(f"warning: {line} (--unvalidated: not counted)" if args.unvalidated else f"{line}: {fix}")
     print(report.summary() + ("" if not unvalidated or args.unvalidated else "; not validated (see above)"))
     if args.repair and report.damaged_units() and not report.attributes_vouched:
         print(

@@ -124,9 +124,16 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
     units whose bytes differ; this then recreates them too, as the units whose data retention deleted
     (`restored`)."""
+    from dflash_pipeline.storage.misplaced import move_back_commands
     from dflash_pipeline.storage.verify import check_sample_table, rebuild_plan_records, verify_version
 
     report = verify_version(store, version, digests=False)
+    if report.misplaced:  # (rewriting their plan records would reorder the version: storage/misplaced.py)
+        raise StoreError(
+            f"store version {store.loc.url_of(version)}: {len(report.misplaced)} intact unit directories are under "
+            f"another unit's name ({', '.join(f'{u} holds {h}' for u, h in sorted(report.misplaced.items()))}): "
+            f"move them back, then rerun: {move_back_commands(store, version, report.misplaced)}"
+        )
     for line in rebuild_plan_records(store, report):
         log.warning("store version %s: %s", store.loc.url_of(version), line)
     damaged = report.units_to_rebuild()

@@ -80,7 +80,8 @@ def validation_status(store: Store, version: str) -> str | None:
             rewritten = [u for u in units if u in now and u in state]
             what = (
                 (["the version record rewritten"] if "-" in changed else [])
-                + ([f"units {rewritten} rewritten or extended"] if rewritten else [])
+                + ([f"units {rewritten} rewritten, extended or renamed (`dflash-pipeline verify` tells which)"]
+                   if rewritten else [])
                 + ([f"units {gone_now} discarded (verify --repair) or deleted: the next extract rebuilds them"]
                    if gone_now else [])
                 + ([f"units {added} added"] if added else [])

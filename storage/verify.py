@@ -84,6 +84,7 @@ class VerifyReport:
     # nothing vouches for, so their problems may be the attributes' (`verify --repair` then discards no unit)
     attributes_vouched: bool = True
     duplicated: set[str] = field(default_factory=set)  # units holding samples another holds: no repair touches them
+    misplaced: dict[str, str] = field(default_factory=dict)  # intact unit directories under another unit's name
 
     @property
     def ok(self) -> bool:
@@ -131,6 +132,8 @@ class VerifyReport:
                 verdict += f", {len(deleted)} deleted by retention ({retention_record.REEXTRACT})"
             if dupes := [p.unit for p in self.problems if p.kind == DUPLICATE]:
                 verdict += f", {counted(len(dupes), 'unit')} holding samples another holds too ({', '.join(dupes)})"
+            if self.misplaced:
+                verdict += f", {len(self.misplaced)} intact unit directories under another unit's name (see above)"
         return (
             f"{self.url}: {verdict}; checked {counted(self.units, 'unit')}, {counted(self.files, 'file')}, "
             f"{self.bytes / 2**20:.1f} MiB ({how}) in {self.seconds:.2f} s{rate}"
@@ -441,7 +444,8 @@ def check_sample_table(attrs: dict, P) -> list[Problem]:
 
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
     """Check everything of `version`; never raises on damaged data (problems are in the report)."""
-    from dflash_pipeline.storage.duplicates import duplicate_problems  # (it builds on this module's Problem)
+    from dflash_pipeline.storage.duplicates import duplicate_problems  # (these build on this module's Problem)
+    from dflash_pipeline.storage.misplaced import misplaced_problems, misplaced_units
 
     t0 = time.monotonic()
     report = VerifyReport(version, store.loc.url_of(version), digests)
@@ -491,6 +495,10 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
     dupes, report.duplicated = duplicate_problems(store, version, units)
     # a duplicated unit's records cannot vouch for each other (its "damaged plan record" is a copy's attributes)
     report.problems = [p for p in report.problems if not (p.kind == RECORD and p.unit in report.duplicated)] + dupes
+    # plan records that disagree with intact units because the directories were swapped are not the damaged ones
+    report.misplaced = misplaced_units(store, version, report.problems)
+    report.problems = [p for p in report.problems if not (p.kind == RECORD and p.unit in report.misplaced)]
+    report.problems += misplaced_problems(store, version, report.misplaced)
     if not units and not gone:
         report.problems.append(Problem("-", "-", "units", "no units: nothing was ever planned", INCOMPLETE))
     report.seconds = time.monotonic() - t0

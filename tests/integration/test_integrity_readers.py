@@ -208,3 +208,43 @@ def test_a_damaged_array_metadata_is_blamed_not_the_commit_records(uncompressed_
     assert cli(["verify", str(root), "--version", version, "--unvalidated"]) == 1
     out = capsys.readouterr().out
     assert f"{U0}/hidden/zarr.json: " in out and "chunks entry" not in out, out
+
+
+def test_unit_directories_swapped_by_hand_are_moved_back_not_reordered(tmp_path, capsys):
+    """A damage check: with two unit directories swapped, `verify --repair` (and a rerun of extract) rewrote their
+    plan records from the units' intact attributes: the version kept every sample but in another order, unvalidated,
+    with no record of why. Now verify names each directory and the commands that move them all back (here a cycle
+    of three), no repair rewrites their plan records, extract refuses with the same commands, and once they are run
+    the version is exactly as validated: read by default, equal to before."""
+    import subprocess
+
+    import torch
+
+    ex = extract_local(tmp_path, {**SMALL, "extract.unit_tokens": 1500}, validate=True)
+    root, version = Path(ex.cfg.store), ex.plan.version
+    ds = HiddenStateDataset(root)
+    before = {s.sample_id: ds[i]["hidden"] for i, s in enumerate(ds.samples)}
+    order = [s.sample_id for s in ds.samples]
+    units = root / version / "units"
+    a, b, c = sorted(p.name for p in units.iterdir() if p.is_dir())[:3]
+    plans = {p.name: p.read_bytes() for p in (root / version / "plans").iterdir()}
+    (units / a).rename(units / "x")  # a <- b <- c <- a
+    (units / b).rename(units / a)
+    (units / c).rename(units / b)
+    (units / "x").rename(units / c)
+
+    assert cli(["verify", str(root), "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert f"units/{a}: intact, but it holds the samples planned for unit {b}" in out
+    assert "move the unit directories back (above)" in out and "run the pipeline's validate stage" not in out
+    assert {p.name: p.read_bytes() for p in (root / version / "plans").iterdir()} == plans  # nothing rewritten
+    with pytest.raises(StoreError, match="intact unit directories are under another unit's name") as e:
+        extract_local(tmp_path, {**SMALL, "extract.unit_tokens": 1500}, validate=True)
+    commands = str(e.value).split("move them back, then rerun: ")[1]
+    assert commands in out
+    subprocess.run(commands, shell=True, check=True)
+
+    assert cli(["verify", str(root)]) == 0
+    again = HiddenStateDataset(root)  # as validated: read by default
+    assert [s.sample_id for s in again.samples] == order
+    assert all(torch.equal(again[i]["hidden"], before[s.sample_id]) for i, s in enumerate(again.samples))
