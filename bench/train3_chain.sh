@@ -10,7 +10,11 @@
 #      3 first where the levers reached T3_GOAL (0.60), else 4 first.
 # T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
-# T3_FLEX=1, T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0, T3_BEST (the lever without measuring the levers), T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_LONG_TOKENS (the 8B store's size where none is reused), T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS.
+# T3_FLEX=1, T3_FLEX_SHAPES (8b; 27b for head dimension 256), T3_FLEX_CONFIGS (default: the default's tiles against
+# query groups; `all`: every configuration of flex_tune.py), T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0,
+# T3_BEST (the lever without measuring the levers), T3_LEVER_VARIANTS, T3_LEVER_MIN, T3_LONG=0, T3_LONG_TOKENS (the
+# 8B store's size where none is reused), T3_27B=0, T3_27B_TOKENS, T3_27B_VARIANTS ({G}: the fastest query-group
+# count of T3_FLEX=1, {FLEX}: its fastest tile configuration, as train_bench's flex=PATH).
 set -x
 T=/tmp/t3
 echo $$ > $T/pid
@@ -19,8 +23,9 @@ budget=${T3_BUDGET_S:-0}
 (( budget > 0 )) && echo $(( $(date +%s) + budget )) > $T/end
 left() { if [[ -s $T/end ]]; then echo $(( $(cat $T/end) - $(date +%s) )); else echo 999999; fi; }
 configs=default; for g in ${T3_GROUPS:-4 8 16}; do configs+=",groups-$g"; done
-[[ ${T3_FLEX:-0} == 0 ]] || python3 flex_tune.py --shapes 8b --ctx "${T3_FLEX_CTX:-900}" --configs "$configs" \
-  --out $T/flex > $T/flex_log.txt 2>&1
+fc=${T3_FLEX_CONFIGS:-$configs}; [[ $fc == all ]] && fc=""  # ("" = every configuration of flex_tune.py)
+[[ ${T3_FLEX:-0} == 0 ]] || python3 flex_tune.py --shapes "${T3_FLEX_SHAPES:-8b}" --ctx "${T3_FLEX_CTX:-900}" \
+  --configs "$fc" --out $T/flex > $T/flex_log.txt 2>&1
 G=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['attention_groups'])" $T/flex/groups_best.json \
   2>/dev/null || echo 8)
 [[ $G == 1 ]] && G=8  # (the default's tiles won alone: still measure a grouped layout in training, where it may differ)
@@ -44,7 +49,8 @@ run27b() {  # the 27B-shape drafter: the fastest lever, and batch 1 if that did 
   fi
   one() { python3 train_bench.py --shape 27b --tokens "${T3_27B_TOKENS:-200000}" --work /tmp/dflash-train-bench-27b \
     --minutes "${T3_LEVER_MIN:-1.2}" --warmup-minutes 0.5 --profile-steps 4 --variants "$1" --out "$2" $3 > "$2_log.txt" 2>&1; }
-  one "${T3_27B_VARIANTS:-$best}" $T/27b
+  v27=${T3_27B_VARIANTS:-$best}; v27=${v27//\{G\}/$G}
+  one "${v27//\{FLEX\}/$T/flex/flex_best.json}" $T/27b
   python3 -c "import json, sys; assert any('mfu' in r for r in json.load(open(sys.argv[1]))['variants'])" \
     $T/27b/train_bench.json 2>/dev/null || one "" $T/27b-batch1 --reuse
 }
