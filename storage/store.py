@@ -481,8 +481,8 @@ class Store:
 
     def planned_units(self, version: str) -> list[str]:
         """Units with a plan record (whether or not their directory still exists)."""
-        names = [r.removesuffix(".json") for r in self.loc.list_files(f"{version}/{PLANS}") if r[0] != "."]
-        return sorted(self._unit_names(f"{version}/{PLANS}", [n for n in names if "/" not in n], ".json"))
+        files = [r for r in self.loc.list_files(f"{version}/{PLANS}") if "/" not in r and r[0] != "."]
+        return sorted(self._unit_names(f"{version}/{PLANS}", files, ".json"))
 
     def unit_location(self, version: str, unit: str) -> Location:
         """Where one unit lives (what storage.writer.UnitWriter writes through)."""
@@ -499,11 +499,13 @@ class Store:
             if self.loc.exists(f"{self._unit_rel(version, u)}/zarr.json")
         ]
 
-    def _unit_names(self, folder: str, names: list[str], suffix: str) -> list[str]:
-        """`names` that are unit names (layout.UNIT_NAME); each other one is named in a warning, once."""
-        units = [n for n in names if UNIT_NAME.fullmatch(n)]
-        for n in set(names) - set(units):
-            if (where := f"{folder}/{n}{suffix}") not in self._strays:
+    def _unit_names(self, folder: str, entries: list[str], suffix: str) -> list[str]:
+        """The unit names (layout.UNIT_NAME) of `folder`'s `entries`, each a unit name + `suffix`; every other entry
+        is named in a warning, once."""
+        units = [e.removesuffix(suffix) for e in entries if e.endswith(suffix)]
+        units = [u for u in units if UNIT_NAME.fullmatch(u)]
+        for e in set(entries) - {u + suffix for u in units}:
+            if (where := f"{folder}/{e}") not in self._strays:
                 self._strays.add(where)
                 log.warning(
                     "%s is not part of the store (units are named u00000, u00001, ...): ignored; move it out of %s",
