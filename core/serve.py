@@ -134,7 +134,7 @@ def check_database(url: str, timeout: float = 10.0) -> None:
 
 
 class Stop(Exception):  # noqa: N818 - a request, not an error
-    """SIGTERM / SIGHUP received: stop what `serve` started."""
+    """SIGINT / SIGTERM / SIGHUP received: stop what `serve` started."""
 
 
 def check_api(url: str, timeout: float = 5.0) -> None:
@@ -479,7 +479,9 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
     """`dflash-pipeline serve`: everything for the UI path, until Ctrl-C, SIGTERM or SIGHUP."""
     home = Path(home).expanduser().absolute() if home else None
     lp = LocalPrefect(port=port, home=home, database=database_url(database), host=host, die_with_parent=True)
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # (SIGINT too: a serve started with `&` from a script inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: a fresh-user check's `kill -INT` did nothing)
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         lp.start_server()
         # What a killed serve left: the runs its worker had taken, Running in the database with no process.
@@ -523,7 +525,7 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
                     print(f"flow run {r['name']} ({r['id']}) set Crashed", file=sys.stderr, flush=True)
                 lp.start_worker(WORKER_NAME)
     except (KeyboardInterrupt, Stop) as e:
-        why = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else e  # (a fresh-user check: "KeyboardInterrupt")
+        why = "Ctrl-C" if isinstance(e, KeyboardInterrupt) or str(e) == "SIGINT" else e  # (not "KeyboardInterrupt")
         print(f"{why}: stopping the server, the worker and their runs", file=sys.stderr)
         return 0
     finally:

@@ -64,11 +64,12 @@ def serve(
     timeout: float = 400,
     python: str | Path = sys.executable,
     workdir: Path = ROOT,
+    sigint_ignored: bool = False,
 ) -> Iterator[LocalPrefect]:
     """`dflash-pipeline serve [--database URL]` on a free port with its own Prefect home, run by `python` (another
     environment's, e.g. a wheel's) from `workdir`; `env` adds to (None: removes from) this environment. Yields a
     LocalPrefect for the same server (its `serve_proc`, `startup_s`; `start_worker()` adds workers that `stop()`
-    ends)."""
+    ends). `sigint_ignored`: started as a shell script's `serve &` is, with SIGINT ignored."""
     lp = LocalPrefect(port=free_port(), home=home, workdir=workdir)
     log = home / "serve.out"
     cmd = [str(python), "-m", "dflash_pipeline.cli", "serve", "--port", str(lp.port), "--home", str(home)]
@@ -82,6 +83,7 @@ def serve(
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
     lp.serve_proc = proc
     try:

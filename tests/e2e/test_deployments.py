@@ -302,6 +302,19 @@ def test_sigterm_stops_serve_and_everything_it_started(server):
     assert "database is locked" not in server.startup_logs
 
 
+def test_sigint_stops_serve_started_in_the_background(server):
+    """`serve &` in a script starts it with SIGINT ignored, so Python installs no KeyboardInterrupt handler: a
+    fresh-user check's `kill -INT` then did nothing for ten minutes. serve handles SIGINT itself."""
+    if server.serve_proc.poll() is None:  # the SIGTERM test above did not run (this test alone)
+        stop_serve(server)
+    with serve(server.home, sigint_ignored=True) as lp:
+        started = descendants(lp.serve_proc.pid)
+        lp.serve_proc.send_signal(signal.SIGINT)
+        assert lp.serve_proc.wait(timeout=60) == 0
+        assert not wait_gone(started, timeout=30)
+        assert "Ctrl-C: stopping the server" in (server.home / "serve.out").read_text()
+
+
 def test_sigkill_of_serve_leaves_no_process(server, model_dir):
     """`serve` started again on the Prefect home of the one stopped above (a user restarting it: its database and
     work pool are found, not made again; the deployments are applied again), then SIGKILLed. SIGKILL runs no handler
