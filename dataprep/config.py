@@ -23,7 +23,12 @@ class DataConfig(Section):
         "messages or data), so unified schemas with nulls work.",
     )
     split: str = Field("train", description="Split to read from a HF dataset / DatasetDict directory.")
-    max_samples: int | None = Field(None, ge=1, description="Keep only the first N usable samples (quick runs).")
+    max_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Keep only the first N usable samples (quick runs). With the regenerate stage only the first N "
+        "rows are regenerated, and exact duplicates among their new replies are dropped: fewer than N may remain.",
+    )
     max_length: int = Field(2048, ge=8, description="Token limit per sample.")
     overlength: Literal["drop", "truncate"] = Field("drop", description="What to do with longer samples.")
     min_supervised_tokens: int = Field(2, ge=1, description="Drop samples with fewer assistant tokens.")

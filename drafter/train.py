@@ -236,8 +236,8 @@ def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
         if other_data and all(old.get(k) == data[k] for k in DATA_KEYS if k != "repairs"):
             log.warning(
                 "%s held a training on %s version %s from before units of it were discarded as damaged and rebuilt "
-                "(%s repairs, %s then; the version's repairs.json lists them): it may have read the damaged data, so "
-                "it was moved to %s and training starts at step 0",
+                "(the version's repairs.json counts %s repairs now, %s when that training ran): it may have read the "
+                "damaged data, so it was moved to %s and training starts at step 0",
                 out, data["store"], data["store_version"], data["repairs"], old.get("repairs"), moved,
             )  # fmt: skip
         elif other_data:
