@@ -125,7 +125,7 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     units whose bytes differ; this then recreates them too, as the units whose data retention deleted
     (`restored`)."""
     from dflash_pipeline.storage.misplaced import move_back_commands
-    from dflash_pipeline.storage.verify import check_sample_table, rebuild_plan_records, verify_version
+    from dflash_pipeline.storage.verify import rebuild_plan_records, unusable_plan, verify_version
 
     report = verify_version(store, version, digests=False)
     if report.misplaced:  # (rewriting their plan records would reorder the version: storage/misplaced.py)
@@ -151,12 +151,11 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
                 f"unit {unit_url} is damaged ({problems[0]}) and has no intact plan record to rebuild it from: "
                 "delete its directory and its plan record, and rerun to plan its samples again into a new unit"
             )
-        if table := check_sample_table(plan, lambda _file, detail: detail):
+        if why := unusable_plan(plan, attrs.get("logical_dtype")):
             raise StoreError(
-                f"unit {unit_url} is damaged ({problems[0]}) and its plan record {store._plan_rel(version, u)} "
-                f"contradicts itself ({table[0]}): it was edited or damaged, so the unit cannot be rebuilt from it. "
-                "Delete the plan record (and the unit's directory, if any) and rerun: its samples are planned "
-                "again into a new unit"
+                f"unit {unit_url} needs rebuilding, and its plan record {store._plan_rel(version, u)} cannot rebuild "
+                f"it ({why}): it was edited or damaged. Delete the plan record (and the unit's directory, if any) "
+                "and rerun: its samples are planned again into a new unit"
             )
         foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
         if foreign:

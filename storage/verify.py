@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,6 +247,16 @@ def check_unit(
                 f"of extract on this store extracts its {n} samples again"
             )
             return [P("", what, DISCARDED)], 0, 0
+        try:
+            logical = store.attrs(version).get("logical_dtype")
+        except Exception:  # noqa: BLE001 - the version's attributes: check_version_attrs names them
+            logical = None
+        if why := unusable_plan(plan, logical):
+            what = (
+                f"unit directory missing or not a zarr group, and its plan record cannot rebuild it ({why}): delete "
+                f"{plan_rel}, and a rerun of extract plans its samples again into a new unit"
+            )
+            return [P("", what)], 0, 0
         return [P("", f"unit directory missing or not a zarr group (planned with {n} samples)")], 0, 0
     try:
         attrs = store.unit_attrs(version, unit)
@@ -430,6 +441,10 @@ def check_sample_table(attrs: dict, P) -> list[Problem]:
     its plan record); problems made by `P(file, detail)`."""
     samples, n = attrs.get("samples"), attrs.get("n_tokens")
     try:
+        if not samples:
+            return [P("zarr.json", "sample table empty: a unit is planned with at least one sample")]
+        if twice := [sid for sid, k in Counter(s[0] for s in samples).items() if k > 1]:
+            return [P("zarr.json", f"sample table lists sample {twice[0]} more than once")]  # (a rebuild stored it so)
         pos = 0
         for sid, start, length in samples:
             if start != pos or length <= 0:
@@ -440,6 +455,20 @@ def check_sample_table(attrs: dict, P) -> list[Problem]:
     except (TypeError, ValueError) as e:
         return [P("zarr.json", f"sample table unreadable: {e}")]
     return []
+
+
+def unusable_plan(plan: dict, logical_dtype: str | None) -> str | None:
+    """Why a plan record cannot rebuild its unit (None: it can): its sample table, its chunking, or its logical
+    dtype against the version's. A damage check rebuilt units from edited plan records in a loop (a unit of the
+    wrong dtype failing validation after every rebuild) or into a traceback (a chunking zarr refuses)."""
+    if table := check_sample_table(plan, lambda _file, detail: detail):
+        return table[0]
+    chunk, shard = plan.get("chunk_tokens"), plan.get("shard_tokens")
+    if not (type(chunk) is int and type(shard) is int and 0 < chunk <= shard and shard % chunk == 0):
+        return f"chunk_tokens {short(chunk)}, shard_tokens {short(shard)}: no chunking (a shard is whole chunks)"
+    if logical_dtype is not None and plan.get("logical_dtype") != logical_dtype:
+        return f"logical_dtype {short(plan.get('logical_dtype'))} is not the version's {logical_dtype}"
+    return None
 
 
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:

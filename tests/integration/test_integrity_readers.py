@@ -15,6 +15,7 @@ from dflash_pipeline.cli import main as cli
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
+from dflash_pipeline.storage.verify import verify_version
 from tests.helpers import extract_local
 from tests.integration.test_integrity import SMALL, U0, U1, _edit_json, _flip
 
@@ -248,3 +249,52 @@ def test_unit_directories_swapped_by_hand_are_moved_back_not_reordered(tmp_path,
     again = HiddenStateDataset(root)  # as validated: read by default
     assert [s.sample_id for s in again.samples] == order
     assert all(torch.equal(again[i]["hidden"], before[s.sample_id]) for i, s in enumerate(again.samples))
+
+
+THREE_UNITS = {**SMALL, "extract.unit_tokens": 1500}
+
+
+@pytest.fixture(scope="module")
+def three_units(tmp_path_factory):
+    return extract_local(tmp_path_factory.mktemp("three_units"), THREE_UNITS, validate=True)
+
+
+def _duplicate_first_sample(plan: dict) -> None:
+    plan["samples"][1][0] = plan["samples"][0][0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda p: p.update(logical_dtype="bfloat16"), 'logical_dtype "bfloat16" is not the version\'s float32'),
+        (lambda p: p.update(shard_tokens=0), "no chunking"),
+        (lambda p: p.update(chunk_tokens=p["shard_tokens"] - 1), "no chunking"),
+        (lambda p: p.update(samples=[], n_tokens=0), "sample table empty"),
+        (_duplicate_first_sample, "more than once"),
+    ],
+    ids=["dtype", "shard-0", "chunk-not-dividing", "no-samples", "sample-twice"],
+)
+def test_a_plan_record_that_cannot_rebuild_its_unit_is_named_before_any_rebuild(three_units, tmp_path, edit, said):
+    """A damage check: a missing unit was rebuilt from an edited plan record as it stood, into a unit of the wrong
+    dtype that failed validation after every repair and rerun (a loop), a traceback from zarr (chunking), or a unit
+    holding one sample twice that verify called healthy. The plan record is now checked first: verify and extract
+    name it and say to delete it; then the rerun plans those samples into a new unit, and the version is whole."""
+    src = Path(three_units.cfg.store)
+    root = tmp_path / "store"
+    shutil.copytree(src, root)
+    version = three_units.plan.version
+    want = sorted(s.sample_id for s in HiddenStateDataset(src).samples)
+    u = "u00001"
+    shutil.rmtree(root / version / "units" / u)
+    _edit_json(root / version / "plans" / f"{u}.json", lambda p: (edit(p), p)[1])
+    report = verify_version(Store(root), version)
+    assert any(
+        p.unit == u and "its plan record cannot rebuild it" in p.what and said in p.what for p in report.problems
+    )
+    cfg = {**THREE_UNITS, "store_path": str(root)}
+    with pytest.raises(StoreError, match=f"its plan record {version}/plans/{u}.json cannot rebuild it"):
+        extract_local(tmp_path, cfg, validate=True)
+    (root / version / "plans" / f"{u}.json").unlink()
+    extract_local(tmp_path, cfg, validate=True)
+    assert verify_version(Store(root), version).ok
+    assert sorted(s.sample_id for s in HiddenStateDataset(root).samples) == want
