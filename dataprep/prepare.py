@@ -31,6 +31,7 @@ from dflash_pipeline.dataprep.render import render
 from dflash_pipeline.dataprep.sources import BadLine, iter_rows, resolve_encoding, source_fingerprint
 from dflash_pipeline.errors import DataError
 from dflash_pipeline.fsmodes import as_made
+from dflash_pipeline.progress import counted
 from dflash_pipeline.storage.commit import taking_turns
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class PrepareResult:
     quarantined_by_reason: dict[str, int] = field(default_factory=dict)
     length_histogram: dict[str, int] = field(default_factory=dict)  # "<=N" -> samples
     encoding: str = ""  # the codec a text source was read with
+    # XXH3-128 of each file of the dataset directory as written: a reuse checks them (manifests before session 27
+    # have none). A damage check: a bit flipped in an Arrow file was reused, failing validation of an intact store,
+    # and a unit deleted on its advice was re-extracted from the damaged tokens under the old sample ids.
+    files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -128,16 +133,23 @@ def prepare_dataset(
     if res is not None:
         return res
     with taking_turns(final.parent / f".{fp}.lock", f"another run is preparing {final}; waiting for it"):
-        return _reuse(final) or _build(cfg, source, tokenizer, fp, final, progress)
+        return _reuse(final, warn=False) or _build(cfg, source, tokenizer, fp, final, progress)
 
 
-def _reuse(final: Path) -> PrepareResult | None:
+def _reuse(final: Path, warn: bool = True) -> PrepareResult | None:
     manifest = final / "manifest.json"
     if not manifest.exists():
         return None
     res = PrepareResult(**json.loads(manifest.read_text()))
     # The manifest's own directory is where the data is: an output_dir moved or copied since keeps working.
     res.path, res.quarantine_path = str(final / "dataset"), str(final / "quarantine.jsonl")
+    if res.files and (now := _file_digests(final / "dataset")) != res.files:
+        changed = sorted(f for f in set(now) | set(res.files) if now.get(f) != res.files.get(f))
+        (log.warning if warn else log.debug)(
+            "prepared dataset %s changed since it was made (%s: %s): not reused; preparing it again from %s",
+            final, counted(len(changed), "file"), ", ".join(changed[:3]), res.source,
+        )  # fmt: skip
+        return None
     res.reused = True
     log.info("prepared dataset %s already exists (%d samples); reusing it", final, res.n_samples)
     return res
@@ -242,6 +254,7 @@ def _build(cfg: DataConfig, source: str, tokenizer, fp: str, final: Path, progre
             quarantined_by_reason=by_reason,
             length_histogram=length_histogram(cols["seq_len"]),
             encoding=encoding,
+            files=_file_digests(tmp / "dataset"),
         )
         (tmp / "manifest.json").write_text(res.to_json())  # written last: its presence means "complete"
         os.replace(tmp, final)
@@ -261,6 +274,20 @@ def _build(cfg: DataConfig, source: str, tokenizer, fp: str, final: Path, progre
         final,
     )
     return res
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    """{path under `folder`: XXH3-128 of the file} (Arrow shards, datasets' JSON files)."""
+    import xxhash
+
+    out = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h = xxhash.xxh3_128()
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 24):
+                h.update(block)
+        out[f.relative_to(folder).as_posix()] = h.hexdigest()
+    return out
 
 
 def load_quarantine(res: PrepareResult) -> list[dict]:

@@ -511,3 +511,21 @@ def test_the_prepared_dataset_directory_has_a_plain_directorys_mode(tmp_path, to
     finally:
         os.umask(old)
     assert stat.S_IMODE(Path(res.path).parent.stat().st_mode) == 0o755
+
+
+def test_a_prepared_dataset_changed_since_it_was_made_is_prepared_again(tmp_path, tokenizer):
+    """A damage check: a bit flipped in a prepared Arrow file was reused as it was; validation then failed on an
+    intact store, and a unit deleted on its advice was re-extracted from the damaged tokens under the old sample ids.
+    The manifest records each file's digest: a changed file is named, and the dataset is prepared again, equal to
+    the first."""
+    cfg = DataConfig(max_samples=20)
+    a = prepare_dataset(cfg, resolve_source("embedded"), tokenizer, tmp_path)
+    first = load_prepared(a.path)[:]
+    assert a.files and all(len(d) == 32 for d in a.files.values())
+    arrow = next(Path(a.path).glob("*.arrow"))
+    data = bytearray(arrow.read_bytes())
+    data[len(data) // 2] ^= 1
+    arrow.write_bytes(bytes(data))
+    again = prepare_dataset(cfg, resolve_source("embedded"), tokenizer, tmp_path)
+    assert not again.reused and again.files == a.files and load_prepared(again.path)[:] == first
+    assert prepare_dataset(cfg, resolve_source("embedded"), tokenizer, tmp_path).reused
