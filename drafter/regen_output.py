@@ -267,12 +267,16 @@ class RegenOutput:
             self._check_settings(settings, server or {})
             self.earlier = Tally()
             self.done: set[str] = set()
+            self.sources: dict[str, str] = {}  # id -> digest of the source row it was made from (recorded since s27)
+            self.source_of: dict[str, str] = {}  # the same for the conversations pending now (regenerate sets them)
             n = 0
             for kept, p in ((True, self.path), (False, self.rejected_path)):
                 for r in _scan(p):
                     regen = r.get("regen", {})
                     self.earlier.add(regen.get("outcome", "ok") if kept else r["outcome"], regen)
                     self.done.add(r["id"])
+                    if isinstance(r.get("source"), str):
+                        self.sources[r["id"]] = r["source"]
                     n += 1
             if len(self.done) != n:
                 raise RegenerateError(
@@ -314,6 +318,18 @@ class RegenOutput:
         )
         os.replace(tmp, self.record_path)
 
+    def key_for(self, key: str, source: str) -> str | None:
+        """The key to regenerate the source row `key` under, whose content digest is `source`; None when it is done.
+        A row edited since its conversation was made (same id, another digest) is regenerated under
+        `key@digest`: the nightly run's "changed rows are extracted again" (a damage check saw an edited row skipped
+        by id). A record from before digests were recorded counts as done."""
+        if key not in self.done:
+            return key
+        if self.sources.get(key, source) == source:
+            return None
+        changed = f"{key}@{source[:12]}"
+        return None if changed in self.done else changed
+
     def commit(self, key: str, messages: list[dict], replies: list[Reply], on_truncated: str, error: str = "") -> str:
         """Write one finished conversation; returns its outcome."""
         regen: dict[str, Any] = {
@@ -334,6 +350,8 @@ class RegenOutput:
         else:
             outcome = "truncated_kept" if truncated else "ok"
             row = {"id": key, "messages": messages, "regen": {"outcome": outcome, **regen}}
+        if key in self.source_of:
+            row["source"] = self.sources[key] = self.source_of.pop(key)
         where = "kept" if outcome in ("ok", "truncated_kept") else "rejected"
         if self._files[where] is None:
             self._files[where] = open(self.rejected_path, "a", encoding="utf-8")

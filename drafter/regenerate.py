@@ -13,11 +13,13 @@ Two backends write the same output (drafter/regen_output.py: files, resume, trun
 Output: a JSONL of {"id", "messages", "regen"} that the prepare stage reads like any source; conversations not kept
 (truncation policy, refused by the server) go to `<name>.rejected.jsonl`; `<name>.run.json` records the backend,
 server, model and settings, and a rerun with others refuses to mix them. The stage is resumable: a rerun skips the
-ids already in either file.
+conversations already in either file, by id and a digest of the source row each was made from (`source`): a row
+edited since is made again, under `id@digest`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -96,6 +98,22 @@ def _conversations(
         yield key, conv.messages, conv.tools
 
 
+def _pending(conversations, out: RegenOutput) -> Iterator[tuple[str, list, Any]]:
+    """The conversations `out` has not made yet: rows never regenerated, and rows edited since (another key)."""
+    import xxhash
+
+    for c in conversations:
+        if c is None:
+            continue
+        key, messages, tools = c
+        digest = xxhash.xxh3_128(json.dumps([messages, tools], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        if (k := out.key_for(key, digest)) is not None:
+            if k != key:
+                log.info("source row %s changed since it was regenerated: regenerating it again, as %s", key, k)
+            out.source_of[k] = digest
+            yield k, messages, tools
+
+
 def _prompt_opens_think(tok, kwargs: dict) -> bool:
     """Does the generation prompt itself open a think block (Qwen3.5/3.6, *-Thinking checkpoints)?"""
     try:
@@ -143,7 +161,7 @@ def regenerate(
         skipped += item is None
     out = RegenOutput(out_path, settings, server)
     meter = ProgressMeter(out, total, progress)
-    pending = (c for c in _conversations(source, fmt, split, max_samples) if c is not None and c[0] not in out.done)
+    pending = _pending(_conversations(source, fmt, split, max_samples), out)
     log.info(
         "regenerate (%s, %s): %d conversations, %d already done, reasoning stored %s",
         cfg.backend,

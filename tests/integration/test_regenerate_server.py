@@ -483,3 +483,26 @@ def test_same_served_name_other_weights_refuse_to_mix(fake, report, source, tmp_
         regenerate(str(source), out, report, _cfg({"url": b, "model": "m"}), fmt="messages", max_samples=3)
     res = regenerate(str(source), out, report, _cfg({"url": a, "model": "m"}), fmt="messages")  # the same: continues
     assert res.generated == N_CONV - 3
+
+
+def test_a_source_row_edited_since_is_regenerated_again(fake, report, source, tmp_path):
+    """A damage check: a source row edited after its regeneration (same id, another prompt) was skipped by id on the
+    rerun, so the nightly run's "changed rows are extracted again" never reached it. Each conversation records a
+    digest of the row it was made from; an edited row is regenerated under `id@digest`, the others are not asked."""
+    url = fake("--model", "m", "--reply-tokens", "5")
+    cfg = _cfg({"url": url, "model": "m"}, concurrency=1)
+    src, out = tmp_path / "src.jsonl", tmp_path / "o.jsonl"
+    rows = [json.loads(x) for x in source.read_text().splitlines()]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = regenerate(str(src), out, report, cfg, fmt="messages")
+    assert first.generated == N_CONV and all(len(r["source"]) == 32 for r in _lines(out))
+    assert regenerate(str(src), out, report, cfg, fmt="messages").generated == 0
+    user = next(m for m in rows[3]["messages"] if m["role"] == "user")
+    user["content"] += " (edited)"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = regenerate(str(src), out, report, cfg, fmt="messages")
+    assert again.generated == 1
+    new = _lines(out)[-1]
+    key = rows[3].get("id") or "row-3"
+    assert new["id"].startswith(f"{key}@") and any("(edited)" in str(m.get("content")) for m in new["messages"])
+    assert regenerate(str(src), out, report, cfg, fmt="messages").generated == 0
