@@ -135,6 +135,12 @@ class Location(ABC):
     def size_of(self, rel: str) -> int | None:
         """The file's size in bytes, or None if it does not exist."""
 
+    def identity(self, rel: str) -> tuple[int, ...] | None:
+        """What tells this file from another of its size put in its place: (size,) here; a local file adds its
+        inode and modification time. None if it does not exist."""
+        size = self.size_of(rel)
+        return None if size is None else (size,)
+
     @abstractmethod
     def digest_of(self, rel: str) -> dict[str, Any] | None:
         """storage.digest record of the file as stored now (reads it whole), or None if it does not exist."""
@@ -268,12 +274,16 @@ class LocalLocation(Location):
         return out
 
     def size_of(self, rel: str) -> int | None:
+        return None if (i := self.identity(rel)) is None else i[0]
+
+    def identity(self, rel: str) -> tuple[int, ...] | None:
         try:
-            return self._p(rel).stat().st_size
+            st = self._p(rel).stat()
         except OSError as e:
             if e.errno not in _UNRESOLVED:
                 raise
             return None
+        return st.st_size, st.st_ino, st.st_mtime_ns
 
     def digest_of(self, rel: str) -> dict[str, Any] | None:
         d = digest.Digest()

@@ -12,7 +12,8 @@ presence and size (a missing zarr shard would otherwise read back as zeros), and
 files (the arrays' metadata, token ids and loss mask: a shape, byte order or dtype edited in place keeps the
 file's size); the first time a sample touches a shard (in each process), its chunk index and chunk CRCs against
 the commit record's `chunks`, or with `verify="digests"` its whole content (every byte is then read once more,
-once); after each read of a local store, that the files read are still there. storage/verify.py holds the checks.
+once); after each read of a local store, that the files read are still there (each shard the very file checked).
+storage/verify.py holds the checks.
 
 A reader holds a lease on its version for as long as it lives (storage/leases.py): retention and pruning
 never delete a version, or units of one, that another process reads. Units whose data retention deleted are
@@ -179,7 +180,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._shard_tokens: dict[str, int] = {}
         self._file_index: dict[str, tuple[dict[int, list], list]] = {}  # unit -> _read_files' index
         self._local = isinstance(self.store.loc, LocalLocation)
-        self._verified: set[tuple[str, str]] = set()  # (unit, shard file) this process checked (_check_shards)
+        # (unit, shard file) this process checked (_check_shards) -> the file's identity then (Location.identity)
+        self._verified: dict[tuple[str, str], tuple[int, ...] | None] = {}
         units = sorted(set(self.store.units(self.version)) | set(self.store.planned_units(self.version)))
         record = retention_record.read_record(self.store, self.version)
         gone = retention_record.retired(record, units)
@@ -299,6 +301,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         for f, want in files:
             if _shard_of(f) is None or (unit, f) in self._verified:
                 continue
+            before = self.store.loc.identity(f"{self.version}/units/{unit}/{f}")
             if self.verify == "digests":
                 self._check_digest(unit, f, want)
             elif digest.CHUNKS in want:
@@ -312,7 +315,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                     why = got if not digest.is_digest(got) else "rearranged, or the shard replaced by another"
                     problem = f"its chunks differ from the commit record ({why})"
                     self._raise_on([Problem(unit, f.split("/", 1)[0], f"units/{unit}/{f}", problem)])
-            self._verified.add((unit, f))
+            self._verified[(unit, f)] = before
 
     def _check_still_there(self, ref: SampleRef, files: list[tuple[str, dict]]) -> None:
         """After a read of a local store: every file it used is still there with its committed size. zarr reads a
@@ -320,9 +323,15 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         under a live reader, or by retention where the reader could take no lease, came back as zeros); one stat
         per file per sample. (Object storage: not checked here; retention refuses an s3:// store.)"""
         for f, want in files:
-            size = self.store.loc.size_of(f"{self.version}/units/{ref.unit}/{f}")
-            if size != want["size"]:
-                now = "gone" if size is None else f"{size} bytes, committed with {want['size']}"
+            ident = self.store.loc.identity(f"{self.version}/units/{ref.unit}/{f}")
+            checked = self._verified.get((ref.unit, f))
+            # (a shard replaced by another of its size after it was checked: a damage check read the other's values)
+            if ident is None or ident[0] != want["size"] or (checked is not None and ident != checked):
+                now = (
+                    "gone" if ident is None
+                    else f"{ident[0]} bytes, committed with {want['size']}" if ident[0] != want["size"]
+                    else "replaced by another file since this process checked it"
+                )  # fmt: skip
                 raise StoreError(
                     f"store version {self.store.loc.url_of(self.version)}: units/{ref.unit}/{f} changed while this "
                     f"process read sample {ref.sample_id} ({now}), so its values are not returned: something deleted "
@@ -355,7 +364,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _unit_arrays(self, unit: str) -> dict:
         if self._pid != os.getpid():  # new process (DataLoader worker): drop inherited handles
-            self._arrays, self._pid, self._verified = {}, os.getpid(), set()
+            self._arrays, self._pid, self._verified = {}, os.getpid(), {}
         if unit not in self._arrays:
             self._check_files(unit)
             g = self.store.open_unit(self.version, unit)

@@ -146,6 +146,31 @@ def test_a_file_deleted_under_a_live_reader_is_an_error_not_zeros(small_store, t
         ds[same]
 
 
+def test_a_shard_replaced_by_another_of_its_size_under_a_live_reader_is_an_error(uncompressed_store, tmp_path):
+    """A damage check: after the reader had checked a shard, another intact shard of the same size put in its place
+    (copy, then rename over it) was read as the sample's states: the after-read check compared sizes only. Each shard
+    is now the very file that was checked (inode and modification time)."""
+    import os
+
+    root, version = tmp_path / "store", uncompressed_store.plan.version
+    shutil.copytree(uncompressed_store.store, root)
+    ds = HiddenStateDataset(root)
+    unit = root / version / "units" / ds.samples[0].unit
+    shard = unit / "hidden/c/0/0/0"
+    ds[0]  # checked and read
+    twin = next(
+        p
+        for p in (root / version / "units").glob("*/hidden/c/*/0/0")
+        if p != shard and p.stat().st_size == shard.stat().st_size
+    )
+    shutil.copyfile(twin, tmp_path / "twin")
+    os.replace(tmp_path / "twin", shard)
+    with pytest.raises(
+        StoreError, match=r"hidden/c/0/0/0 changed while this process read sample .* \(replaced by another"
+    ):
+        ds[0]
+
+
 def test_a_leases_directory_that_is_not_one_stops_deletions(small_store, tmp_path):
     """A damage check: with `<version>/.leases` a file, readers could take no lease and retention saw none, deleting
     under a live reader. Now a deletion assumes an unknown reader and refuses."""
