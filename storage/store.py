@@ -143,8 +143,10 @@ class Store:
         try:
             data = self.loc.read_bytes("CURRENT")
             return data.decode().strip() if data is not None else None
-        except (IsADirectoryError, UnicodeDecodeError) as e:  # (a damage check: a traceback, exit 1)
-            what = "is a directory" if isinstance(e, IsADirectoryError) else "is not text"
+        except (IsADirectoryError, UnicodeDecodeError, ValueError) as e:  # (damage checks: a traceback; a hang)
+            what = {IsADirectoryError: "is a directory", UnicodeDecodeError: "is not text"}.get(
+                type(e), "is not a regular file"
+            )
             raise StoreError(
                 f"{self.loc.url_of('CURRENT')} {what}: it should be a text file naming the published version; "
                 f"replace it with the name of a version that `dflash-pipeline verify {self.url} --version V` finds "

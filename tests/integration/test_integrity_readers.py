@@ -6,6 +6,7 @@ records themselves is tests/integration/test_integrity.py's; these came from the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests.integration.test_integrity import SMALL, U0, U1, _edit_json, _flip
     ("damage", "said"),
     [
         ("current_a_directory", "CURRENT is a directory"),
+        ("current_a_fifo", "CURRENT is not a regular file"),  # (every reader, verify and run hung on it)
         ("retention_unit_entry_a_string", '"units"."u00001" is "deleted", not an object'),
         ("retention_units_a_list", '"units" is a JSON list'),
         ("retention_version_a_string", '"version" is "deleted", not an object'),
@@ -33,9 +35,12 @@ def test_a_damaged_store_record_is_named_with_its_fix(small_store, tmp_path, cap
     """A damage check: these were tracebacks (IsADirectoryError, AttributeError) in the reader and verify."""
     root, version = tmp_path / "store", small_store.plan.version
     shutil.copytree(small_store.store, root)
-    if damage == "current_a_directory":
+    if damage.startswith("current_a_"):
         (root / "CURRENT").unlink(missing_ok=True)
-        (root / "CURRENT").mkdir()
+        if damage == "current_a_directory":
+            (root / "CURRENT").mkdir()
+        else:
+            os.mkfifo(root / "CURRENT")
         args = []
     else:
         entry = {
