@@ -18,6 +18,7 @@ line each, and the INFO records of the libraries and Prefect only with `--verbos
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -96,6 +97,12 @@ def fmt_s(s: float) -> str:
 def counted(n: int, noun: str) -> str:
     """'1 unit', '3 units' (nouns whose plural adds an s)."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def short(v: object) -> str:
+    """A value as JSON for a message, cut to 60 characters."""
+    s = json.dumps(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def shown(path: str | os.PathLike | None) -> str:

@@ -94,9 +94,10 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.discard import discard_units
+    from dflash_pipeline.storage.plan_records import rebuild_plan_records
     from dflash_pipeline.storage.store import same_identity
     from dflash_pipeline.storage.validated import unvalidated_fix
-    from dflash_pipeline.storage.verify import RECORD, rebuild_plan_records
+    from dflash_pipeline.storage.verify import RECORD
 
     for p in report.problems:
         print(p.line())

@@ -7,8 +7,9 @@ import logging
 
 from dflash_pipeline.progress import counted
 from dflash_pipeline.storage.discard import discard_units
+from dflash_pipeline.storage.plan_records import rebuild_plan_records
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import rebuild_plan_records, verify_version
+from dflash_pipeline.storage.verify import verify_version
 
 log = logging.getLogger(__name__)
 

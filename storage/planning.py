@@ -125,7 +125,8 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     units whose bytes differ; this then recreates them too, as the units whose data retention deleted
     (`restored`)."""
     from dflash_pipeline.storage.misplaced import move_back_commands
-    from dflash_pipeline.storage.verify import rebuild_plan_records, unusable_plan, verify_version
+    from dflash_pipeline.storage.plan_records import rebuild_plan_records, unusable_plan
+    from dflash_pipeline.storage.verify import verify_version
 
     report = verify_version(store, version, digests=False)
     if report.misplaced:  # (rewriting their plan records would reorder the version: storage/misplaced.py)

@@ -6,10 +6,12 @@ own integrity is storage/verify.py's."""
 from __future__ import annotations
 
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.progress import short
 from dflash_pipeline.storage import digest, retention_record
 from dflash_pipeline.storage.layout import VALIDATION, VERSION_RECORD
 from dflash_pipeline.storage.store import Store
-from dflash_pipeline.storage.verify import short
+
+FAILED = "its validation failed"  # validation_status's clause for a report that failed (unvalidated_fix reads it)
 
 
 def validated_state(store: Store, version: str) -> dict[str, str]:
@@ -51,7 +53,7 @@ def validation_status(store: Store, version: str) -> str | None:
         first = (
             f": {failed[0].get('check')}: {failed[0].get('detail')}" if failed and isinstance(failed[0], dict) else ""
         )
-        return f"its validation failed{first}"
+        return f"{FAILED}{first}"
     if failed:  # validation writes ok = every check's ok
         return (
             f"its validation report {VALIDATION} says ok but lists a check that did not pass ({short(failed[0])}): "
@@ -106,7 +108,7 @@ def unvalidated_fix(store: Store, version: str, why: str) -> str:
         f"or read it anyway: `HiddenStateDataset(..., version={version!r}, unvalidated='warn')`, "
         "`dflash-pipeline verify --unvalidated`"
     )
-    if why.startswith("its validation failed"):
+    if why.startswith(FAILED):
         return (
             f"validating it again fails the same way: first do what the failed check says (every check is in "
             f"{store.loc.url_of(f'{version}/{VALIDATION}')}; a unit it names can be deleted: its plan record stays, "

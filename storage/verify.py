@@ -17,18 +17,15 @@ record; repaired by rewriting the record, never by deleting data).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.progress import counted
+from dflash_pipeline.progress import counted, short
 from dflash_pipeline.storage import digest, discard, quant, retention_record
 from dflash_pipeline.storage.layout import (
     ARRAYS,
@@ -42,6 +39,7 @@ from dflash_pipeline.storage.layout import (
     commit_record_problem,
     sharded_arrays,
 )
+from dflash_pipeline.storage.plan_records import check_sample_table, unusable_plan
 from dflash_pipeline.storage.store import PLANNED_KEYS, Store
 
 log = logging.getLogger(__name__)
@@ -194,12 +192,6 @@ def check_version_attrs(store: Store, version: str) -> list[Problem]:
     if missing:
         problems.append(Problem("-", "-", VERSION_RECORD, f"version record does not cover attributes {missing}"))
     return problems
-
-
-def short(v: Any) -> str:
-    """A value as JSON for a message, cut to 60 characters."""
-    s = json.dumps(v)
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def null_entry_problem(f: str, present: bool) -> str | None:
@@ -436,41 +428,6 @@ def layout_problems(unit: str, arrays: dict, attrs: dict, n_tokens: int | None =
     return problems
 
 
-def check_sample_table(attrs: dict, P) -> list[Problem]:
-    """Whether `samples` ([id, start, length] ...) lay end to end from 0 over `n_tokens` (a unit's attributes or
-    its plan record); problems made by `P(file, detail)`."""
-    samples, n = attrs.get("samples"), attrs.get("n_tokens")
-    try:
-        if not samples:
-            return [P("zarr.json", "sample table empty: a unit is planned with at least one sample")]
-        if twice := [sid for sid, k in Counter(s[0] for s in samples).items() if k > 1]:
-            return [P("zarr.json", f"sample table lists sample {twice[0]} more than once")]  # (a rebuild stored it so)
-        pos = 0
-        for sid, start, length in samples:
-            if start != pos or length <= 0:
-                return [P("zarr.json", f"sample table broken at sample {sid}: starts at {start}, expected {pos}")]
-            pos += length
-        if pos != n:
-            return [P("zarr.json", f"sample table covers {pos} tokens, the unit has {n}")]
-    except (TypeError, ValueError) as e:
-        return [P("zarr.json", f"sample table unreadable: {e}")]
-    return []
-
-
-def unusable_plan(plan: dict, logical_dtype: str | None) -> str | None:
-    """Why a plan record cannot rebuild its unit (None: it can): its sample table, its chunking, or its logical
-    dtype against the version's. A damage check rebuilt units from edited plan records in a loop (a unit of the
-    wrong dtype failing validation after every rebuild) or into a traceback (a chunking zarr refuses)."""
-    if table := check_sample_table(plan, lambda _file, detail: detail):
-        return table[0]
-    chunk, shard = plan.get("chunk_tokens"), plan.get("shard_tokens")
-    if not (type(chunk) is int and type(shard) is int and 0 < chunk <= shard and shard % chunk == 0):
-        return f"chunk_tokens {short(chunk)}, shard_tokens {short(shard)}: no chunking (a shard is whole chunks)"
-    if logical_dtype is not None and plan.get("logical_dtype") != logical_dtype:
-        return f"logical_dtype {short(plan.get('logical_dtype'))} is not the version's {logical_dtype}"
-    return None
-
-
 def verify_version(store: Store, version: str, digests: bool = True, threads: int = 4) -> VerifyReport:
     """Check everything of `version`; never raises on damaged data (problems are in the report)."""
     from dflash_pipeline.storage.duplicates import duplicate_problems  # (these build on this module's Problem)
@@ -537,34 +494,3 @@ def verify_version(store: Store, version: str, digests: bool = True, threads: in
 def damaged_units(store: Store, version: str, digests: bool = False) -> dict[str, list[str]]:
     """{unit: its problems} of the units that fail verification (damage, not unfinished work)."""
     return verify_version(store, version, digests).damaged_units()
-
-
-def compression_of(store: Store, version: str, unit: str) -> str:
-    """The `compression` of a unit's arrays (zstd, lz4 or none), read from its `hidden` array's zarr.json (a file
-    its commit record covers)."""
-    meta = store.loc.read_json(f"{version}/units/{unit}/hidden/zarr.json") or {}
-    codecs = meta.get("codecs") or []
-    inner = codecs[0].get("configuration", {}).get("codecs", []) if codecs else []
-    for c in inner:
-        if c.get("name") == "blosc":
-            return c["configuration"]["cname"]
-    return "none"
-
-
-def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
-    """Rewrite every plan record that `report` found damaged while the unit's attributes are as committed
-    (problem kind "record" on plans/<unit>.json), from those attributes; the unit's files are not touched.
-    Returns one line per record rewritten."""
-    done = []
-    for p in report.problems:
-        if p.kind != RECORD or not p.file.startswith(f"{PLANS}/") or p.unit in report.duplicated:
-            continue
-        attrs = store.unit_attrs(report.version, p.unit)
-        plan = {k: attrs[k] for k in PLANNED_KEYS}
-        plan["compression"] = compression_of(store, report.version, p.unit)
-        store.loc.write_json_atomic(f"{report.version}/{p.file}", plan)
-        done.append(
-            f"rewrote {p.file} from unit {p.unit}'s committed attributes ({len(plan['samples'])} samples); "
-            "its data were not touched"
-        )
-    return done
