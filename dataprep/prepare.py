@@ -59,7 +59,7 @@ class PrepareResult:
     quarantined_by_reason: dict[str, int] = field(default_factory=dict)
     length_histogram: dict[str, int] = field(default_factory=dict)  # "<=N" -> samples
     encoding: str = ""  # the codec a text source was read with
-    # XXH3-128 of each file of the dataset directory as written: a reuse checks them (manifests before session 27
+    # XXH3-128 of each file of the dataset directory as written: a reuse checks them (manifests before 2026-12-06
     # have none). A damage check: a bit flipped in an Arrow file was reused, failing validation of an intact store,
     # and a unit deleted on its advice was re-extracted from the damaged tokens under the old sample ids.
     files: dict[str, str] = field(default_factory=dict)

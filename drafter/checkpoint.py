@@ -141,11 +141,11 @@ DATA = "data.json"  # in each checkpoint: its training's DATA_KEYS
 
 def recorded_data(output_dir: str | Path, checkpoint: Path) -> dict[str, Any] | None:
     """The data (DATA_KEYS) the training in `output_dir` that wrote `checkpoint` trained on: from the checkpoint's
-    data.json (written since session 13), else from the directory's export (dflash_meta.json), else None."""
+    data.json (written since 2026-12-03), else from the directory's export (dflash_meta.json), else None."""
     from dflash_pipeline.drafter.export import read_meta
 
     try:
-        return {"repairs": 0, **json.loads((checkpoint / DATA).read_text())}  # (recorded since session 24)
+        return {"repairs": 0, **json.loads((checkpoint / DATA).read_text())}  # (recorded since 2026-12-06)
     except (OSError, ValueError):
         pass
     meta = read_meta(Path(output_dir) / "export")
@@ -209,7 +209,7 @@ def finished_run(output_dir: str | Path, step: int, provenance: dict[str, Any]) 
     export = out / "export"
     if not (export / CONFIG).is_file() or not (export / WEIGHTS).is_file():
         return None
-    meta = {"repairs": 0, **read_meta(export)}  # (exports before session 24 record no repairs)
+    meta = {"repairs": 0, **read_meta(export)}  # (exports before 2026-12-06 record no repairs)
     if meta.get("steps") != step or any(meta.get(k) != v for k, v in provenance.items() if k != "repairs"):
         return None
     if provenance.get("repairs", 0) > meta["repairs"]:  # units repaired since (fewer: a deleted repair record)

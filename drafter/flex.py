@@ -78,7 +78,7 @@ def tile_mask(
 
     Why: that dense mask grows with the square of a row's length. For four samples packed in a row (32,768 queries,
     ~36,000 keys) it is 1.2 billion elements and a dozen elementwise passes over them every step (on an H100 its
-    named ops alone took 3.8% of the step's GPU time, more went to unnamed ones: bench/RESULTS.md session 25).
+    named ops alone took 3.8% of the step's GPU time, more went to unnamed ones: RESULTS.md, Training, 2026-12-06).
     Here each query's visible keys are two intervals (its context range and its own block's keys), so a tile's count
     of visible pairs is a sum of interval overlaps: [B, Q, key tiles]."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -134,9 +134,9 @@ class QueryGroups:
     Why: flex attention's backward computes a key tile's gradient in one program per (key tile, KV head), looping
     over every query tile that sees it (torch's `flex_attention_backward_grid`). A context tile near the start of a
     row is seen by all 512 blocks' queries: 64 query tiles x 4 query heads per KV head = 256 iterations in one
-    program, while the other programs finish in a few. That serial loop, not the work, sets the time (bench/RESULTS.md
-    session 15: 4.5 ms at 900 context keys and 4.6 ms at 2048). With G groups each context tile has G programs of
-    1/G of the loop, and autograd sums their gradients: the same result up to the order of that sum."""
+    program, while the other programs finish in a few. That serial loop, not the work, sets the time (bench/RESULTS.md,
+    Training, 2026-12-03: 4.5 ms at 900 context keys and 4.6 ms at 2048). With G groups each context tile has G
+    programs of 1/G of the loop, and autograd sums their gradients: the same result up to the order of that sum."""
 
     mask: object  # torch.nn.attention.flex_attention.BlockMask
     groups: int

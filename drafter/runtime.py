@@ -157,7 +157,7 @@ def micro_batches(ds, cfg: TrainConfig, d: Dist, start: int, stop: int, device: 
 
     One loader, not one per epoch: a new loader starts its workers afresh, and the training waits at every epoch's
     start while they open the store and read their first batches. (The likely cause of the 3.3% data wait of a
-    28 s window that held an epoch's start, four samples packed per step on an H100: bench/RESULTS.md session 25.)
+    28 s window that held an epoch's start, four samples packed per step on an H100: RESULTS.md, Training, 2026-12-06.)
     The order is the same: epoch_batches, epoch after epoch. It ends at `stop`, so the workers' read-ahead never
     reads past the training's last step (units a retention may have deleted by then)."""
     from torch.utils.data import DataLoader

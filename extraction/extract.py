@@ -80,8 +80,8 @@ def _is_oom(e: BaseException) -> bool:
 
 # Threads per store-writer process, compressing the chunks of one shard at once: the cores for writing
 # (default_store_writers) then go to fewer processes, and each shard is written sooner (the worker's end
-# waits for its last shards). 1 until measured as a gain: in session 7 two and four threads cut that wait
-# from 0.8 s to 0.5 and 0.4 s, but those runs were slowed by a fresh disk (bench/RESULTS.md, session 7).
+# waits for its last shards). 1 until measured as a gain: on 2026-12-01 two and four threads cut that wait
+# from 0.8 s to 0.5 and 0.4 s, but those runs were slowed by a fresh disk (bench/RESULTS.md, Extraction, 2026-12-01).
 SHARD_CODEC_THREADS = 1
 
 

@@ -51,8 +51,8 @@ def compile_quantization(enabled: bool) -> None:
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activations, on a GPU compiled into one kernel per input width (eager it is ~6 passes over the
     activations; on the 27B shape a dynamic-shape compile of it took 24% of the FP8 forward's GPU time, this one
-    5%: bench/RESULTS.md, session 14), where _compiled_quantize found it bit-equal to eager. A later compile that
-    fails (a new width) leaves eager for good on that device, with a warning."""
+    5%: bench/RESULTS.md, FP8 targets, 2026-12-03), where _compiled_quantize found it bit-equal to eager. A later
+    compile that fails (a new width) leaves eager for good on that device, with a warning."""
     if x.device.type != "cuda" or not _COMPILE_QUANTIZE[0] or torch.compiler.is_compiling():
         return quantize_activations(x)
     key = (_cuda_index(x.device), x.dtype)

@@ -8,7 +8,7 @@ compares what each precision would produce with it.
 
 A few GB measure a disk's burst rate, not what it sustains over tens of GB. The GPU machines' fresh disks measured
 2,412-2,538 MB/s over 4 GiB, and the 8B pipeline producing ~1.27 GB/s of bf16 store ran GPU-bound for a 34 GB store
-(session 21, writer wait 0.1 s) but not for a 56 GB one (session 22, (b)/(a) 0.873): the 6.5 s that run lost say the
+(2026-12-05, writer wait 0.1 s) but not for a 56 GB one (2026-12-05, (b)/(a) 0.873): the 6.5 s that run lost say the
 disk took ~0.93 GB/s past ~34 GB, ~0.39 of its burst (SUSTAINED 0.35 holds if the burst ended as late as ~40 GB;
 bench/RESULTS.md). So the advice trusts HEADROOM of the measured rate for the first BURST_BYTES of the store (or
 what the test wrote, if more) and SUSTAINED of it beyond: a run stays GPU-bound while it produces at most what
@@ -28,7 +28,8 @@ from pathlib import Path
 # Extraction counts as GPU-bound while it produces at most this share of the measured bandwidth. The measurement is
 # one sequential stream; the store's writers add compression, several files at once, fsyncs and commit records, and
 # a fresh disk's speed varies. A margin: on a fresh H200 disk (2,538 MB/s measured) the 8B pipeline producing 1,782
-# MB/s of full precision (70%) waited 0.10 s for its writers in 28 s, (b)/(a) 0.968 (bench/RESULTS.md, session 21).
+# MB/s of full precision (70%) waited 0.10 s for its writers in 28 s, (b)/(a) 0.968
+# (bench/RESULTS.md, Compact stores, 2026-12-05).
 HEADROOM = 0.8
 # A fresh disk's burst and what it keeps up after, as measured on the GPU machine's (the module doc). A disk that
 # holds its rate is advised conservatively past BURST_BYTES; a longer write test (plan.write_test_mib) extends the
@@ -38,7 +39,7 @@ SUSTAINED = 0.35
 # The recommendation is the first of these that keeps extraction GPU-bound. int8 is listed but not preferred: its
 # group steps make it the closest compact precision (relative L2 ~0.007 against fp8's ~0.026,
 # tests/unit/test_quant.py), but it takes more bytes than fp8 (0.516 of bf16 before Blosc, 0.5005) and fp8's
-# drafters were within noise of full precision's on the real-text target (bench/RESULTS.md, session 19).
+# drafters were within noise of full precision's on the real-text target (bench/RESULTS.md, Compact stores, 2026-12-04).
 PREFERENCE = ("full", "fp8", "int4")
 BLOCK = 16 << 20  # bytes per write: a multiple of every O_DIRECT alignment, about a chunk of a shard
 

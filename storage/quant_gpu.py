@@ -3,9 +3,9 @@ program per row reads the row once and writes its stored values and scale bytes 
 R, each group's code and step, the division, rounding, clamping and, for int4, two values a byte).
 
 Eager torch takes ~12 kernels and one host synchronisation per batch for the same work (the non-finite check).
-Measured on an H200 (bench/RESULTS.md, session 22): eager int4 9.4 ms per 16,384-token batch of the 8B shape, 2.2%
-of the forward (issue 29's budget: 2%); a kernel for the division-to-packing tail alone 4.7 ms, the rest being the
-steps' small kernels and the synchronisation, which also leaves the GPU idle between batches.
+Measured on an H200 (bench/RESULTS.md, Compact stores, 2026-12-05): eager int4 9.4 ms per 16,384-token batch of the
+8B shape, 2.2% of the forward (issue 29's budget: 2%); a kernel for the division-to-packing tail alone 4.7 ms, the
+rest being the steps' small kernels and the synchronisation, which also leaves the GPU idle between batches.
 
 Its bytes are the eager path's: divisions with `div_rn` (IEEE round to nearest: Triton's `/` is approximate, and
 CUDA eager and the CPU divide exactly), rounding half to even with float32 adds (as torch.round), each group's code

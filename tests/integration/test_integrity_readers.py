@@ -1,7 +1,7 @@
 """Damage the default reader (training's), `verify` and a repair must see beyond a unit's committed bytes: the store's
 own records (CURRENT, retention, repair records) in the wrong shape, intact chunks out of place in a shard, a forged
 chunks entry, and files deleted or unleasable under a live reader. The damage table of the committed bytes and
-records themselves is tests/integration/test_integrity.py's; these came from the damage checks of session 24."""
+records themselves is tests/integration/test_integrity.py's; these came from the damage checks of 2026-12-06."""
 
 from __future__ import annotations
 

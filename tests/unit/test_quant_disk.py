@@ -54,8 +54,8 @@ def test_a_slow_disk_recommends_int4_and_a_slower_one_the_fewest_bytes():
 
 
 def test_past_its_burst_a_fresh_disk_is_trusted_with_less():
-    """The GPU machine's fresh disk (bench/RESULTS.md): a 34 GB store at the burst rate ran GPU-bound (session 21),
-    a 56 GB one did not (session 22, (b)/(a) 0.873): past BURST_BYTES the advice counts SUSTAINED of the rate."""
+    """The GPU machine's fresh disk (bench/RESULTS.md): a 34 GB store at the burst rate ran GPU-bound (2026-12-05),
+    a 56 GB one did not (2026-12-05, (b)/(a) 0.873): past BURST_BYTES the advice counts SUSTAINED of the rate."""
     s21 = diskcheck.advise(2.538e9, 43_509, 1_200_888, {"full": 28_229, "int4": 9_634})
     assert s21.recommended == "full" and by_name(s21)["full"].store_bytes == pytest.approx(33.9e9, rel=1e-3)
     per_token = {"full": 28_229, "fp8": 20_500, "int4": 9_634}
