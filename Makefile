@@ -3,13 +3,14 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
+# torch pinned to the CPU wheel available locally; an unpinned torch pulls a multi-GB CUDA build.
+# (setuptools warns on every editable install whose packages map to folders, as ours do: core/ is
+# dflash_pipeline; the warning is about such folders shadowing the package, which cannot happen here: hence
+# PYTHONWARNINGS.) The comments stand here, above the target, so that make does not echo them as output.
 $(BIN)/dflash-pipeline: pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch pinned to the CPU wheel available locally; an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	# (setuptools warns on every editable install whose packages map to folders, as ours do: core/ is
-	# dflash_pipeline; the warning is about such folders shadowing the package, which cannot happen here)
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test]'
 	touch $@
 

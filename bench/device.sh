@@ -21,7 +21,7 @@
 # train3 / train3-wait (issue 30: bench/train3_chain.sh, detached), realtext-target / realtext-pipeline / realtext-resume (issue 28, bench/realtext/: train the real-text
 # target, build its chat data, then the pipeline on it; the wheels: `WHEEL_DIR=runs/realtext-whl bench/device.sh
 # wheels realtext`, the calls `WHEEL_DIR=runs/realtext-whl bash bench/device.sh realtext-target`, carry=["runs/realtext-whl"]).
-# With the device tool: run(command="bash bench/device.sh extract train", carry=[".whl"]).
+# A GPU host without PyPI: copy .whl/ (git-ignored) there with the checkout, then e.g. `bash bench/device.sh extract train`.
 set -euo pipefail
 WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 pydantic==2.14.4
         pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 fla-core==0.6.0)
@@ -44,7 +44,7 @@ if [[ ${1:-} == wheels ]]; then
   exit 0
 fi
 
-# SKIP_INSTALL=1: a later call of a held machine whose detached work (train-long, realtext-all) still imports from
+# SKIP_INSTALL=1: a later step on a machine whose detached work (train-long, realtext-all) still imports from
 # /tmp/site must not have the package rewritten under it.
 if [[ -z ${SKIP_INSTALL:-} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
@@ -71,8 +71,8 @@ for step in "$@"; do
                          --work "/tmp/tb-$p" --out "$OUT/train-$p" 2>&1 | tee "$OUT/train-${p}_log.txt"
                        rm -rf "/tmp/tb-$p"
                      done ;;
-    # 12 minutes (a window of >= 10 after 1 of warm-up and the stop), longer than one device call: started detached (setsid outlives the call while the machine is
-    # held), then `collect` in the next call (within the machine's 30 s idle window) waits for it by its pid.
+    # 12 minutes (a window of >= 10 after 1 of warm-up and the stop): started detached (setsid outlives the shell that
+    # started it), then `collect`, run later on the same machine, waits for it by its pid.
     train-long) mkdir -p /tmp/train-long
                 setsid nohup python3 train_bench.py --reuse --minutes 12 --warmup-minutes 1 --profile-steps 4 \
                   --out /tmp/train-long > /tmp/train-long/log.txt 2>&1 < /dev/null &
@@ -82,8 +82,9 @@ for step in "$@"; do
     resume) python3 gpu_resume_bench.py --out "$OUT/resume" --tokens 200000 --kill-after-shard 40 2>&1 \
               | tee "$OUT/resume_log.txt" ;;
     scaling) python3 multi_gpu_bench.py --out "$OUT" --train-steps 200 2>&1 | tee "$OUT/scaling_log.txt" ;;
-    # A fresh VM disk writes its first blocks slowly (session 7: 8-9 s of writer wait in the first 8B run, 0.35 s
-    # once ~60 GB had been written): fill most of the free disk once before measuring the pipeline, then delete.
+    # A fresh VM disk writes its first blocks slowly (2026-12-01: 8-9 s of writer wait in the first 8B run, 0.35 s
+    # once ~60 GB had been written; bench/RESULTS.md, "Fresh disks and the disk check"): fill most of the free disk
+    # once before measuring the pipeline, then delete.
     disk) free=$(df --output=avail -B1G /tmp | tail -1); n=$(( free > 6 ? (free - 6) * 64 : 0 ))
           dd if=/dev/zero of=/tmp/disk-warm bs=16M count=$n oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.txt"
           rm -f /tmp/disk-warm ;;
@@ -107,7 +108,7 @@ for step in "$@"; do
                     | tee "$OUT/fp8_equality_${s}_log.txt"; done ;;
     flex) python3 flex_tune.py --out "$OUT/flex" 2>&1 | tee "$OUT/flex_log.txt" ;;
     conv) python3 conv_kernel_check.py --out "$OUT" 2>&1 | tee "$OUT/conv_log.txt" ;;
-    # Issue 28. Under ../runs/realtext (kept between calls only while the machine stays warm: chain the calls).
+    # Issue 28. Under ../runs/realtext (on the GPU host's disk: run the three steps on the same machine).
     realtext-target) python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-6}" \
                        --deadline-s "${RT_DEADLINE:-520}" 2>&1 | tee "$OUT/target_log.txt"
                      cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json "$OUT/" ;;
@@ -118,20 +119,20 @@ for step in "$@"; do
          | tee "$OUT/${step}_log.txt")
       cp ../runs/realtext/pipeline/drafter/metrics.json "$OUT/drafter_metrics.json" 2>/dev/null || true ;;
     # Issues 28 and 29 in one detached chain (bench/realtext/chain.sh: the target, the pipeline, the precision table
-    # beside its training; RT_* settings there). It outlives a call while the machine is held; `realtext-wait` in the
-    # next calls waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz.
+    # beside its training; RT_* settings there). It runs detached; `realtext-wait`, run later on the same machine,
+    # waits for it, up to RT_WAIT seconds, and packs what it wrote into $OUT/rt.tar.gz.
     realtext-all)
       mkdir -p /tmp/rt; rm -f /tmp/rt/done
-      # (the `&` on setsid alone: on `cd .. && setsid ...` it backgrounded a subshell, and session 13's pid file named
-      # that subshell, gone once setsid ran, so the next call's realtext-wait took the running chain for dead)
+      # (the `&` on setsid alone: on `cd .. && setsid ...` it backgrounded a subshell, the pid file named that
+      # subshell, gone once setsid ran, and a later realtext-wait took the running chain for dead)
       (cd .. && { setsid nohup bash bench/realtext/chain.sh > /tmp/rt/chain_log.txt 2>&1 < /dev/null &
                   echo $! > /tmp/rt/pid; })
       echo "started, pid $(cat /tmp/rt/pid)" ;;
     realtext-wait)
-      # A fresh machine (the one that ran realtext-all was given back between calls) has no chain: say so at once
+      # A machine other than the one that ran realtext-all has no chain: say so at once
       if [[ ! -e /tmp/rt/pid ]]; then
-        echo "realtext-wait: no realtext-all chain on this machine (/tmp/rt/pid missing: the machine that ran it" \
-             "was released between calls); start again with realtext-all" >&2; exit 3
+        echo "realtext-wait: no realtext-all chain on this machine (/tmp/rt/pid missing: it ran on another" \
+             "machine, or this one was restarted); start again with realtext-all" >&2; exit 3
       fi
       end=$(( $(date +%s) + ${RT_WAIT:-560} ))
       while [[ ! -e /tmp/rt/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/rt/pid)" 2>/dev/null; do
@@ -139,26 +140,27 @@ for step in "$@"; do
       if [[ -e /tmp/rt/done ]]; then echo "chain done"
       elif kill -0 "$(cat /tmp/rt/pid)" 2>/dev/null; then echo "chain still running"
       else echo "chain ended without finishing: see chain_log.txt and the stage logs"; fi
-      # One archive: the device tool brings back at most 8 files a call (session 12 lost the pipeline report so)
+      # One archive: a copy-back that takes a few files at a time then loses none of them (a pipeline report was lost so)
       rm -rf /tmp/rt-out; mkdir -p /tmp/rt-out; cp -r /tmp/rt/. /tmp/rt-out/
       cp ../runs/realtext/target_report.json ../runs/realtext/chat/chat_stats.json /tmp/rt-out/ 2>/dev/null || true
       d=../runs/realtext/pipeline/drafter; cp "$d/metrics.json" "$d"/export/*.json "$d"/*.png /tmp/rt-out/ 2>/dev/null || true
-      # the precision runs' figures as they land (errors, rows, each drafter's loss history): a chain cut short by the
-      # device budget still brings back what it finished (session 17 lost its 12 trained runs' losses so)
+      # the precision runs' figures as they land (errors, rows, each drafter's loss history): a chain cut short still
+      # brings back what it finished (one cut short lost its 12 trained runs' losses before this)
       p=../runs/realtext/precision; cp "$p"/*.json "$p"/*.jsonl /tmp/rt-out/ 2>/dev/null || true
       for m in "$p"/drafter-*/metrics.json; do [[ -e $m ]] && cp "$m" "/tmp/rt-out/metrics-$(basename "$(dirname "$m")").json"; done
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
-      # (set -e: a log the chain has not reached yet must not fail the call, as it did in session 12: rc 1)
+      # (set -e: a log the chain has not reached yet must not fail the step, as it once did: rc 1)
       for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
     # Issue 30 in one detached chain (bench/train3_chain.sh: query groups and packing against the defaults, ten minutes
-    # of the fastest, the 27B-shape drafter; T3_BUDGET_S ends it within the device budget);
-    # `train3-wait` in the next calls (SKIP_INSTALL=1) waits up to T3_WAIT s and packs /tmp/t3 into $OUT/t3.tar.gz.
-    train3) rm -rf /tmp/t3; mkdir -p /tmp/t3  # (a machine can come back with an earlier session's /tmp: session 26)
+    # of the fastest, the 27B-shape drafter; T3_BUDGET_S: a deadline in seconds from its start);
+    # `train3-wait`, run later on the same machine (SKIP_INSTALL=1), waits up to T3_WAIT s and packs /tmp/t3 into
+    # $OUT/t3.tar.gz.
+    train3) rm -rf /tmp/t3; mkdir -p /tmp/t3  # (a machine can come back with an earlier chain's /tmp/t3 in it)
             setsid nohup bash train3_chain.sh > /tmp/t3/chain_log.txt 2>&1 < /dev/null &
             echo $! > /tmp/t3/pid; echo "started, pid $(cat /tmp/t3/pid)" ;;
     train3-wait)
-      [[ -e /tmp/t3/pid ]] || { echo "train3-wait: no train3 chain on this machine (released between calls?)" >&2; exit 3; }
-      [[ -n ${T3_LEFT_S:-} ]] && echo $(( $(date +%s) + T3_LEFT_S )) > /tmp/t3/end  # the budget left, as this call knows it
+      [[ -e /tmp/t3/pid ]] || { echo "train3-wait: no train3 chain on this machine (it ran on another one?)" >&2; exit 3; }
+      [[ -n ${T3_LEFT_S:-} ]] && echo $(( $(date +%s) + T3_LEFT_S )) > /tmp/t3/end  # a new deadline, N s from now
       end=$(( $(date +%s) + ${T3_WAIT:-560} ))
       while [[ ! -e /tmp/t3/done && $(date +%s) -lt $end ]] && kill -0 "$(cat /tmp/t3/pid)" 2>/dev/null; do sleep 10; done
       [[ -e /tmp/t3/done ]] && echo "chain done" || echo "chain still running (or ended early: see chain_log.txt)"

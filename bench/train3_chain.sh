@@ -4,11 +4,11 @@
 #   1. (T3_FLEX=1) flex_tune.py: the drafter's attention alone (8B shape), the default tiles against query groups
 #      (train.attention_groups); T3_LEVER_VARIANTS may name the fastest count as {G} (attention_groups={G});
 #   2. the levers in training (train_bench.py, 8B shape): the defaults against packing 4 and 6 samples per step
-#      (session 25: packing 4 was the fastest, query groups cost more than they saved);
+#      (2026-12-06, bench/RESULTS.md "Training": packing 4 was the fastest, query groups cost more than they saved);
 #   3. the fastest lever (by MFU) for ten minutes after warm-up (T3_LONG_MIN, cut to what T3_BUDGET_S leaves), and
 #   4. the 27B-shape drafter with the fastest lever (batch 1 if that fails), if the budget leaves T3_27B_NEED_S;
 #      3 first where the levers reached T3_GOAL (0.60), else 4 first.
-# T3_BUDGET_S: seconds from the chain's start by which it must end (the device budget; 0 = none; a later
+# T3_BUDGET_S: seconds from the chain's start by which it must end (the time the machine is yours; 0 = none; a later
 # `T3_LEFT_S=N bash bench/device.sh train3-wait` resets it to N s from then). Other knobs:
 # T3_FLEX=1, T3_FLEX_SHAPES (8b; 27b for head dimension 256), T3_FLEX_CONFIGS (default: the default's tiles against
 # query groups; `all`: every configuration of flex_tune.py), T3_FLEX_CTX, T3_GROUPS, T3_REUSE=1, T3_LEVERS=0,
@@ -55,7 +55,7 @@ run27b() {  # the 27B-shape drafter: the fastest lever, and batch 1 if that did 
     $T/27b/train_bench.json 2>/dev/null || one "" $T/27b-batch1 --reuse
 }
 run_long() {  # the fastest lever for T3_LONG_MIN, or what the budget leaves less ~75 s for the run's start and end
-  # (11.3 minutes: the window after warm-up is ~50 s shorter than the run: session 26's 10.6 gave 9.6 minutes)
+  # (11.3 minutes: the window after warm-up is ~50 s shorter than the run: a 10.6-minute run gave 9.6 minutes)
   [[ ${T3_LONG:-1} == 0 ]] && return
   long=$(python3 -c "import sys; print(round(min(float(sys.argv[1]), (int(sys.argv[2]) - 75) / 60), 2))" \
     "${T3_LONG_MIN:-11.3}" "$(left)")
