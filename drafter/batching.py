@@ -18,6 +18,7 @@ import math
 import torch
 
 from dflash_pipeline.drafter.head_loss import head_loss
+from dflash_pipeline.drafter.levers import dpace_weights
 
 
 def _optional_fields(items: list[dict]) -> list[str]:
@@ -172,10 +173,11 @@ def block_inputs(
 
 
 def block_loss(
-    out: torch.Tensor, head, blk: dict, last_hidden: torch.Tensor | None = None
+    out: torch.Tensor, head, blk: dict, last_hidden: torch.Tensor | None = None, dpace_alpha: float | None = None
 ) -> tuple[torch.Tensor, dict]:
     """Weighted mean over supervised block positions of CE(data token) or, with last_hidden, of
-    KL(target || draft) where the target's distribution for token a+k comes from position a+k-1.
+    KL(target || draft) where the target's distribution for token a+k comes from position a+k-1. With
+    `dpace_alpha` the positions' weights are D-PACE's (drafter/levers.py) in place of the fixed decay.
 
     Only supervised positions go through lm_head, a chunk at a time (drafter/head_loss.py). The statistics
     are tensors on the loss's device, so a step needs no host synchronisation for them."""
@@ -195,5 +197,14 @@ def block_loss(
         def target(rows: slice) -> torch.Tensor:
             return head.target_logits(last_hidden[row[rows], src[rows]])
 
-    loss, correct = head_loss(h, head.lm_head.weight, labels, w[sel], target)
+    reweight = None
+    if dpace_alpha is not None:
+        supervised = (blk["weights"] > 0).reshape(-1, blk["weights"].shape[-1])
+
+        def reweight(ce: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(supervised.numel(), dtype=ce.dtype, device=ce.device)
+            full[sel] = ce
+            return dpace_weights(full.reshape(supervised.shape), supervised, dpace_alpha).reshape(-1)[sel]
+
+    loss, correct = head_loss(h, head.lm_head.weight, labels, w[sel], target, reweight=reweight)
     return loss, {"tokens": torch.full((), sel.numel(), device=out.device), "correct": correct}

@@ -65,6 +65,22 @@ class TrainConfig(Section):
         "from the stored last hidden state) instead of the data tokens; needs "
         "layers.capture_last=true in the store.",
     )
+    position_weight: Literal["decay", "dpace"] = Field(
+        "decay",
+        description="Loss weight of block position k: 'decay' = exp(-(k-1)/gamma) (DFlash's recipe); 'dpace' = "
+        "D-PACE (speculators' default): the summed chance, from the draft's own detached confidence, that the "
+        "block's tokens up to each later position are all accepted (drafter/levers.py). Cross-entropy only.",
+    )
+    dpace_alpha: float = Field(
+        0.5, gt=0, le=1, description="D-PACE's smoothing: confidence (1 - alpha) q + alpha per position."
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="'adamw' for every weight; 'muon' = torch.optim.Muon for the 2-D weight matrices (update RMS "
+        "matched to AdamW's) and AdamW for the rest (norms).",
+    )
+    muon_lr: float | None = Field(None, gt=0, description="Learning rate of Muon's matrices; None = train.lr.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="Weight decay of Muon's matrices.")
     checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Steps between loss records / progress callbacks.")
@@ -110,6 +126,11 @@ class TrainConfig(Section):
             raise ValueError(f"train.sliding_layers={self.sliding_layers} needs train.sliding_window (e.g. 2048)")
         if self.sliding_layers and min(self.sliding_layers) < 0:
             raise ValueError(f"train.sliding_layers={self.sliding_layers} holds a negative layer index")
+        if self.position_weight == "dpace" and self.distill:
+            raise ValueError(
+                "train.position_weight=dpace weighs positions by their cross-entropy and train.distill=true trains "
+                "on KL instead: set one of them back (train.position_weight=decay or train.distill=false)"
+            )
         return self
 
 

@@ -45,6 +45,17 @@ def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, wn: torch.Tensor):
     return ((lse - picked) * wn).sum(), correct, g.to(logits.dtype)
 
 
+def ce_rows(logits: torch.Tensor, labels: torch.Tensor):
+    """One chunk of the cross-entropy row by row, for weights that depend on it (D-PACE): (CE of each row, rows
+    whose argmax is the label, the unweighted dL/dlogits in the logits' dtype)."""
+    x = _wide(logits)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    correct = (x.argmax(-1) == labels).sum()
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    return lse - picked, correct, (torch.exp(x - lse[:, None]) - hit.to(x.dtype)).to(logits.dtype)
+
+
 _CHUNK = {"ce": ce_chunk}
 
 
@@ -59,15 +70,20 @@ def compile_chunk(enabled: bool) -> None:
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, wn, target_logits, rows):
+    def forward(ctx, h, weight, labels, wn, target_logits, rows, reweight):
         loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=h.device)
         correct = torch.zeros((), dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if h.requires_grad else None
+        ce = torch.empty(h.shape[0], dtype=loss.dtype, device=h.device) if reweight is not None else None
         for i in range(0, h.shape[0], rows):
             s = slice(i, i + rows)
             logits = h[s].to(weight.dtype) @ weight.t()
             lab = labels[s]
-            if target_logits is None:
+            if ce is not None:  # weights from the loss itself: rows unweighted now, scaled once all are known
+                ce[s], hits, g = ce_rows(logits, lab)
+                part = 0.0
+                del logits
+            elif target_logits is None:
                 part, hits, g = _CHUNK["ce"](logits, lab, wn[s])
                 del logits
             else:
@@ -87,6 +103,12 @@ class _HeadLoss(torch.autograd.Function):
             correct += hits
             if grad is not None:
                 grad[s] = (g.to(weight.dtype) @ weight).to(h.dtype)
+        if ce is not None:
+            w = reweight(ce)
+            wn = w / w.sum()
+            loss = (ce * wn).sum()
+            if grad is not None:
+                grad.mul_(wn[:, None].to(grad.dtype))
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return loss, correct
@@ -94,7 +116,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 def head_loss(
@@ -104,11 +126,17 @@ def head_loss(
     weights: torch.Tensor,
     target_logits: Callable[[slice], torch.Tensor] | None = None,
     rows: int | None = None,
+    reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean loss, number of rows whose argmax is the label) for draft hidden states h [N, H].
 
     `weight` [V, H]: the frozen lm_head; `labels` [N]; `weights` [N] (>= 0, not all 0). With `target_logits`
     (a function of a row slice giving the target's logits of those rows) the loss is KL(target || draft);
-    without it, cross-entropy on the labels. `rows`: rows per chunk (default: ~512 MiB of float32 logits)."""
+    without it, cross-entropy on the labels. `rows`: rows per chunk (default: ~512 MiB of float32 logits).
+    `reweight` (cross-entropy only): a function of every row's detached cross-entropy [N] giving the rows' weights
+    in place of `weights` (D-PACE, drafter/levers.py); the rows' gradients are scaled once all are known."""
+    if reweight is not None and target_logits is not None:
+        raise ValueError("loss weights from the cross-entropy (D-PACE) apply to cross-entropy, not distillation")
     wn = _wide(weights / weights.sum())
-    return _HeadLoss.apply(h, weight.detach(), labels, wn, target_logits, rows or chunk_rows(weight.shape[0]))
+    rows = rows or chunk_rows(weight.shape[0])
+    return _HeadLoss.apply(h, weight.detach(), labels, wn, target_logits, rows, reweight)

@@ -36,6 +36,7 @@ from dflash_pipeline.drafter.checkpoint import (
 )
 from dflash_pipeline.drafter.config import TrainConfig
 from dflash_pipeline.drafter.export import export_drafter
+from dflash_pipeline.drafter.levers import build_optimizer, lr_schedule
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.precision import ComputeCopy, autocast, compute_dtype
 from dflash_pipeline.drafter.precision import resolve as resolve_precision
@@ -194,7 +195,8 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
             last = (
                 states(b, "last_hidden", job.ds.precision, job.ds.logical_torch, job.compute) if cfg.distill else None
             )
-            loss, stats = block_loss(out, job.head, blk, last)
+            dpace = cfg.dpace_alpha if cfg.position_weight == "dpace" else None
+            loss, stats = block_loss(out, job.head, blk, last, dpace)
         (loss * scale).backward()
     return loss.detach(), {**stats, "queries": work[0], "attn_pairs": work[1]}
 
@@ -205,7 +207,8 @@ def _micro_step(job: _Job, batch: dict, seed: int, sync: bool, scale: float) -> 
 # settings makes. The rest (device, workers, checkpoint cadence, attention kernel, compile) can change on a resume.
 SCHEDULE_KEYS = (
     "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "max_grad_norm", "epochs", "max_steps", "batch_size",
-    "grad_accum", "pack", "anchors_per_sample", "gamma", "distill", "seed",
+    "grad_accum", "pack", "anchors_per_sample", "gamma", "distill", "seed", "position_weight", "dpace_alpha",
+    "optimizer", "muon_lr", "muon_weight_decay",
 )  # fmt: skip
 
 
@@ -278,9 +281,9 @@ def train(
     torch.manual_seed(cfg.seed)
     job = _build(cfg, store_root, report, version, d.device, store_options)
     model = job.model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda")
+    opt = build_optimizer(model, cfg, fused=d.device.type == "cuda")
     total = total_steps(len(job.ds), d.world, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    sched = lr_schedule(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     sj = spec_json(job.spec)
     repairs = len(discard.repairs(job.ds.store, job.ds.version))
     data = {"store": str(store_root), "store_version": job.ds.version, "target": report.model_path, "repairs": repairs}

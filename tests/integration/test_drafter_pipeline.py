@@ -272,6 +272,25 @@ def test_packed_training_trains_the_padded_batches(work, tmp_path):
         assert float((a[k] - b[k]).norm() / b[k].norm()) < 1e-4, k  # measured: <= 5e-5 after 4 AdamW steps
 
 
+def test_muon_and_dpace_train_and_resume_bit_identical(work, tmp_path):
+    """train.optimizer=muon with train.position_weight=dpace from the store: the loss falls, and a run resumed from
+    its step-6 checkpoint (both optimizers' and schedules' states) replays steps 7-12 exactly."""
+    import shutil
+
+    cfg = TrainConfig(**{**TRAIN, "max_steps": 12, "checkpoint_every": 6, "optimizer": "muon", "lr": 1e-3,
+                         "muon_lr": 2e-2, "position_weight": "dpace"})  # fmt: skip
+    full = train(cfg, work["store"], work["report"], tmp_path / "full")
+    losses = [h["loss"] for h in full.history]
+    assert losses[-1] < losses[0], losses
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000006", resumed_dir / "checkpoints" / "step-00000006")
+    resumed = train(cfg, work["store"], work["report"], resumed_dir)
+    assert resumed.start_step == 6
+    assert [h["loss"] for h in resumed.history[6:]] == losses[6:]
+    a, b = load_drafter(resumed.export_dir).state_dict(), load_drafter(full.export_dir).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_distillation_from_stored_last_hidden(work):
     cfg = TrainConfig(**{**TRAIN, "max_steps": 6, "distill": True})
     res = train(cfg, work["store"], work["report"], work["root"] / "distill")
