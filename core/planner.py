@@ -26,8 +26,9 @@ from dflash_pipeline.extraction.plan import target_identity
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import diskcheck, quant, retention_record
+from dflash_pipeline.storage.identity import other_dataset, same_identity
 from dflash_pipeline.storage.layout import DTYPES
-from dflash_pipeline.storage.store import Store, other_dataset, same_identity
+from dflash_pipeline.storage.store import Store
 
 # Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
 REFUSED = "a run with these settings will be refused: "  # the note that makes `plan` exit 1

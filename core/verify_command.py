@@ -76,7 +76,7 @@ def _store_writer(store) -> str | None:
     it: by taking the lock for an instant (as a brief holder, which a run starting then waits for). None when no
     one holds it, or when it cannot be taken here (a store this user cannot write)."""
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.storage.store import StoreBusy
+    from dflash_pipeline.storage.store_lock import StoreBusy
 
     if not store.loc.exists(".lock"):  # no run ever took it (nor is a path that is no store given a lock file)
         return None
@@ -94,8 +94,8 @@ def _verified(args: argparse.Namespace, store, version: str, report, unvalidated
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.progress import counted
     from dflash_pipeline.storage.discard import discard_units
+    from dflash_pipeline.storage.identity import same_identity
     from dflash_pipeline.storage.plan_records import rebuild_plan_records
-    from dflash_pipeline.storage.store import same_identity
     from dflash_pipeline.storage.validated import unvalidated_fix
     from dflash_pipeline.storage.verify import RECORD
 

@@ -1,4 +1,6 @@
-"""The versioned hidden-state store: identity checks, unit planning, completeness.
+"""The versioned hidden-state store: its versions and CURRENT, which version a run writes into, its units and
+their records. A version's identity is in storage/identity.py, its version record in storage/version_record.py,
+the store lock in storage/store_lock.py, planning units in storage/planning.py.
 
 Only the flow's driver (one process, before fan-out) creates versions and plans units; each unit is
 then written by exactly one worker (storage.writer). So no two processes ever write the same zarr.json.
@@ -8,79 +10,23 @@ The store is a local directory or an s3:// prefix; storage/location.py hides the
 from __future__ import annotations
 
 import logging
-import os
-import re
-import socket
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.storage import digest, quant, retention, retention_record
-from dflash_pipeline.storage.layout import (
-    FORMAT_VERSION,
-    NOTHING_COMMITTED,
-    PLANS,
-    READER_ATTRS,
-    UNIT_NAME,
-    VALIDATION,
-    VERSION_RECORD,
-    commit_record_problem,
-)
+from dflash_pipeline.storage import digest, quant, retention, retention_record, store_lock
+from dflash_pipeline.storage.identity import VERSION_NAME, identity_value, other_dataset, other_target, same_identity
+from dflash_pipeline.storage.layout import FORMAT_VERSION, NOTHING_COMMITTED, PLANS, UNIT_NAME, commit_record_problem
 from dflash_pipeline.storage.leases import now_utc
 from dflash_pipeline.storage.location import Location, open_location
+from dflash_pipeline.storage.version_record import VersionRecords
 
 log = logging.getLogger(__name__)
 
-# Attributes that must match for two runs to share one store version.
-IDENTITY_KEYS = (
-    "model_config_hash",
-    "weights_fingerprint",
-    "layer_ids",
-    "capture_last",
-    "logical_dtype",
-    "precision",
-    "int8_scales",
-    "hidden_size",
-    "format_version",
-    "target_quantization",
-)
-VERSION_NAME = re.compile(r"v[0-9]+")  # v0001, v0002, ... (new_version_name)
 # The unit attributes a plan record holds (plus `compression`), in the order the planner writes them.
 PLANNED_KEYS = ("samples", "n_tokens", "shard_tokens", "chunk_tokens", "logical_dtype")
-# Identity attributes that versions written before they existed lack, and the value those versions have.
-IDENTITY_DEFAULTS = {"precision": "full", "target_quantization": None}  # None: an unquantized target
-
-
-def _identity(attrs: dict[str, Any], key: str) -> Any:
-    return attrs.get(key, IDENTITY_DEFAULTS.get(key))
-
-
-def _difference(key: str, a: Any, b: Any) -> str:
-    """One identity key that differs, briefly: of two dicts (a quantized target's record) only the entries that
-    differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        sub = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        return "; ".join(f"{key}.{k}: store has {a.get(k)!r}, this run has {b.get(k)!r}" for k in sub)
-    return f"{key}: store has {a!r}, this run has {b!r}"
-
-
-def other_dataset(version_url: str, fingerprints: list[str], dataset_fp: str) -> str:
-    """Why a run that is not incremental is refused a version made from other prepared datasets."""
-    return (
-        f"store {version_url} was made from prepared dataset(s) {fingerprints}, this run's is {dataset_fp}: its "
-        "rows differ, or a setting that makes them (data.source, data.max_samples or another data.* setting, the "
-        "tokenizer or chat template, regenerate). Set extract.incremental=true to add the rows the store lacks (the "
-        "samples it holds are kept, not extracted again), or use another store_path"
-    )
-
-
-def same_identity(attrs: dict[str, Any], provenance: dict[str, Any]) -> bool:
-    """Whether a version with root attributes `attrs` holds states of the run with this `provenance`."""
-    return all(_identity(attrs, k) == _identity(provenance, k) for k in IDENTITY_KEYS)
 
 
 @dataclass(frozen=True)
@@ -101,26 +47,7 @@ class PlanResult:
     repaired_units: list[str] = ()  # units that failed verification: discarded and planned again, as before
 
 
-BRIEF = "(brief)"  # in a store lock's holder: the holder will let go soon; a run may wait for it
-
-
-class _Busy(Exception):
-    """The store lock is taken; `holder` is what its holder recorded."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(holder)
-        self.holder = holder
-
-
-class StoreBusy(StoreError):
-    """Another run holds the store's lock; `holder`: what it recorded ('pid N on HOST since T[, brief ...]')."""
-
-    def __init__(self, message: str, holder: str):
-        super().__init__(message)
-        self.holder = holder
-
-
-class Store:
+class Store(VersionRecords):
     """Store versions plus a CURRENT pointer, in a local directory or under an s3:// prefix.
 
     `options`: non-secret fsspec/s3fs options of an s3:// store (endpoint_url, ...); credentials come
@@ -212,18 +139,7 @@ class Store:
             return target
         versions = self._drop_empty_versions(versions)
         if versions and not new_version:
-            last = self.attrs(versions[-1])
-            diffs = {
-                k: (_identity(last, k), _identity(provenance, k))
-                for k in IDENTITY_KEYS
-                if _identity(last, k) != _identity(provenance, k)
-            }
-            shown = "; ".join(_difference(k, a, b) for k, (a, b) in diffs.items())
-            raise StoreError(
-                f"store {self.url} holds states of another target, layer set or forward ({shown}). "
-                "Refusing to mix them. Set extract.new_version=true to start a new store "
-                "version beside it, or use another store_path"
-            )
+            raise StoreError(other_target(self.url, self.attrs(versions[-1]), provenance))
         name = self.new_version_name()
         g = self.loc.open_group(name, mode="w-")
         g.attrs.update({**provenance, "dataset_fingerprints": [dataset_fp], "created": now_utc()})
@@ -264,94 +180,6 @@ class Store:
                 continue
         new = sum(sid not in assigned for sid in sample_ids)
         return PlanResult(v, self.loc.url_of(v), [], pending, len(self.units(v)), new)
-
-    # ---- records that make the store verifiable (docs/STORE.md, "Integrity") ----------------------------
-    def version_record(self, version: str) -> dict[str, Any] | None:
-        return self.loc.read_json(f"{version}/{VERSION_RECORD}")
-
-    def _write_version_record(self, version: str, validated_before_publishing: bool = True) -> None:
-        """`validated_before_publishing`: this code makes a version CURRENT only once a passing validation.json is
-        written, so a CURRENT version without that file lost it (versions whose record predates the flag lack it,
-        and their CURRENT counts as validated: storage/validated.py validation_status)."""
-        record = {"format_version": FORMAT_VERSION, "algorithm": digest.ALGORITHM}
-        if validated_before_publishing:
-            record["validated_before_publishing"] = True
-        record["attrs"] = digest.of_attrs(self.attrs(version), READER_ATTRS)
-        self.loc.write_json_atomic(f"{version}/{VERSION_RECORD}", record)
-
-    def _rebuilt_record_flag(self, version: str, record: Any) -> bool:
-        """validated_before_publishing for a rebuilt version record: the old record's where it is readable; else
-        true unless the version is CURRENT without a validation.json (published before the flag existed: a record
-        rebuilt with the flag would make its readers refuse it for a report it never had)."""
-        if isinstance(record, dict) and isinstance(record.get("attrs"), dict):
-            return record.get("validated_before_publishing") is True
-        return self.current() != version or self.loc.exists(f"{version}/{VALIDATION}")
-
-    def _repair_attrs(self, version: str, provenance: dict[str, Any], write: bool = True) -> dict[str, Any]:
-        """The version's attributes, after restoring those that were altered on disk (their digest no longer
-        matches the version record) from this run's provenance, where that matches the record: the values
-        the version was created with. A version record that is missing, unreadable or contradicted while every
-        attribute it covers equals this run's provenance is the damaged one: it is rebuilt from those attributes.
-        Returns the attributes as they are then (`write=False`: as they would be, changing nothing)."""
-        attrs, prov = self.attrs(version), provenance
-        try:
-            record = self.version_record(version)
-        except ValueError:
-            record = None
-        recorded = record.get("attrs") if isinstance(record, dict) else None
-        if not isinstance(recorded, dict):
-            recorded = {}
-        fixes = {
-            k: provenance[k]
-            for k, d in recorded.items()
-            if k in provenance and digest.of_attr(attrs.get(k)) != d and digest.of_attr(provenance[k]) == d
-        }
-        if fixes and write:
-            log.warning(
-                "store version %s: attributes %s were altered on disk; restored from the version record",
-                self.loc.url_of(version),
-                sorted(fixes),
-            )
-            self.open_version(version, mode="r+").attrs.update(fixes)
-        attrs.update(fixes)
-        want = digest.of_attrs(attrs, READER_ATTRS)
-        added = sorted(set(want) - set(recorded)) if recorded else []
-        if added and write:  # a rebuilt record would vouch for them (found by a damage check: an old int8 version
-            # given int8_scales was then extended with group-step units)
-            raise StoreError(
-                f"store version {self.loc.url_of(version)}: attributes {added} are in its zarr.json but not covered by "
-                f"its version record {VERSION_RECORD}, so they were added after the version was made (an int8 "
-                "version from before group steps has no int8_scales). Remove them from "
-                f"{self.loc.url_of(version)}/zarr.json to restore the version as it was, or extract a new version "
-                "(extract.new_version=true)"
-            )
-
-        def provenance_agrees(k: str) -> bool:  # (an attribute only some versions have, int8_scales: absent in both)
-            return digest.of_attr(provenance[k]) == want.get(k) if k in provenance else k not in want
-
-        if (
-            write
-            and attrs.get("format_version") == FORMAT_VERSION
-            and recorded != want
-            and all(provenance_agrees(k) for k in READER_ATTRS)
-        ):
-            log.warning(
-                "store version %s: its version record %s was %s; every attribute it covers equals this run's "
-                "provenance, so it is rebuilt from them",
-                self.loc.url_of(version),
-                VERSION_RECORD,
-                "missing or unreadable" if not recorded else "contradicted by them",
-            )
-            self._write_version_record(version, self._rebuilt_record_flag(version, record))
-        elif write and not recorded and attrs.get("format_version") == FORMAT_VERSION and same_identity(attrs, prov):
-            differ = [k for k in READER_ATTRS if k in provenance and digest.of_attr(provenance[k]) != want.get(k)]
-            raise StoreError(
-                f"store version {self.loc.url_of(version)}: its version record {VERSION_RECORD} is missing or "
-                f"unreadable, and attributes {differ} differ from this run's, so nothing says which are right and "
-                "the record cannot be rebuilt: rerun with the run that made the version (its run_config attribute), "
-                "or extract a new version (extract.new_version=true)"
-            )
-        return attrs
 
     def _drop_empty_versions(self, versions: list[str]) -> list[str]:
         """Delete versions that are not CURRENT and hold no committed token (a run that failed before its
@@ -395,7 +223,7 @@ class Store:
         keys = ("precision", quant.INT8_SCALES_ATTR)
         # any version of that precision is one the run may resume (even one a crash left empty); only kept versions
         # of other precisions refuse it (an empty one is removed by the run)
-        if not kept or any(all(_identity(self.attrs(v), k) == want.get(k) for k in keys) for v in versions):
+        if not kept or any(all(identity_value(self.attrs(v), k) == want.get(k) for k in keys) for v in versions):
             return None
         last = kept[-1]
         record = (self.version_record(last) or {}).get("attrs") or {}
@@ -439,34 +267,9 @@ class Store:
             log.info("pruned store version %s", v)
         return pruned
 
-    @contextmanager
-    def lock(self, brief: str | None = None, wait_for_brief_s: float = 0.0) -> Iterator[None]:
-        """Exclusive use of this store by one run (plan, extract, validate, promote), taken without waiting for
-        another run. A holder that says it is `brief` (retention deleting data: seconds to minutes) is waited
-        for, up to `wait_for_brief_s`, so that a nightly run does not fail because a training run was deleting
-        the units its checkpoint had covered at that moment."""
-        self.check_writable()
-        holder = f"pid {os.getpid()} on {socket.gethostname()} since {now_utc()}" + (
-            f", {brief} {BRIEF}" if brief else ""
-        )
-        deadline, waited, held = time.monotonic() + wait_for_brief_s, False, ExitStack()
-        while True:
-            try:
-                held.enter_context(self.loc.lock(".lock", holder, _Busy))
-                break
-            except _Busy as e:
-                if BRIEF not in e.holder or time.monotonic() >= deadline:
-                    raise StoreBusy(
-                        f"store {self.url} is in use by another run ({e.holder}); wait for it to finish or use "
-                        "another store_path",
-                        e.holder,
-                    ) from None
-                if not waited:
-                    log.info("store %s: waiting for %s", self.url, e.holder)
-                waited = True
-                time.sleep(0.5)
-        with held:
-            yield
+    def lock(self, brief: str | None = None, wait_for_brief_s: float = 0.0) -> AbstractContextManager[None]:
+        """Exclusive use of this store by one run, waiting only for a `brief` holder (storage/store_lock.py)."""
+        return store_lock.hold(self, brief, wait_for_brief_s)
 
     # ---- units ----------------------------------------------------------------------------------
     @staticmethod

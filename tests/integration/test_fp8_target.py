@@ -198,7 +198,7 @@ def test_target_head_reads_an_fp8_lm_head_dequantized(fp8_dir, tmp_path):
 
 def test_another_forward_of_the_same_checkpoint_is_another_version(fp8_dir, tmp_path):
     """The FP8 forward and the dequantized one store different states: a version holds one of them only."""
-    from dflash_pipeline.storage.store import same_identity
+    from dflash_pipeline.storage.identity import same_identity
 
     done = extract_local(
         tmp_path / "run", {"target.model_path": fp8_dir, "target.quantization": "dequantize", "data.max_samples": 4}
