@@ -262,6 +262,20 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_states(args: argparse.Namespace) -> int:
+    """A validated store version in another trainer's offline layout (storage/export_states.py, docs/INTEROP.md)."""
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.storage.export_states import export_states
+
+    try:
+        opts = json.loads(args.store_options) if args.store_options else None
+        export_states(args.store, args.out, args.format, args.version, args.dtype, args.restart, opts)
+    except (PipelineError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _positive_int(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -371,6 +385,23 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--threads", type=_positive_int, default=4, help="units checked at once (default 4)")
     vf.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     vf.set_defaults(fn=cmd_verify)
+    ex = sub.add_parser(
+        "export-states",
+        help="write a validated store version in another trainer's offline layout (speculators: docs/INTEROP.md)",
+    )
+    ex.add_argument("store", help="the store path (or s3://bucket/prefix)")
+    ex.add_argument("out", help="the export directory (new, or an earlier export of the same version to continue)")
+    ex.add_argument("--format", default="speculators", choices=["speculators"], help="the layout (default speculators)")
+    ex.add_argument("--version", help="the version to export (default: CURRENT); it must have passed validation")
+    ex.add_argument(
+        "--dtype",
+        default="store",
+        choices=["store", "bfloat16", "float16", "float32"],
+        help="dtype of the hidden states written (default: the store's logical dtype)",
+    )
+    ex.add_argument("--restart", action="store_true", help="OUT holds another export: delete its files and start over")
+    ex.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
+    ex.set_defaults(fn=cmd_export_states)
     return parser
 
 

@@ -162,6 +162,13 @@ class EvalConfig(Section):
         description="Reuse the acceptance stored in the export's dflash_meta.json when the export, the prompts and "
         "these settings are unchanged (a rerun of a finished run evaluates nothing); false = always measure.",
     )
+    decoder: Literal["ours", "reference", "both"] = Field(
+        "ours",
+        description="Which speculative decoder scores the trained drafter: 'ours' (this package's, recomputing the "
+        "target each step), 'reference' (z-lab's own `dflash` 0.1.0 `spec_generate`, loading the export as it ships, "
+        "greedy, same prompts and block size; needs `pip install --no-deps dflash==0.1.0`), or 'both' (the report "
+        "gives both figures and their ratio). The untrained baseline is always scored by ours (docs/INTEROP.md).",
+    )
 
     @model_validator(mode="after")
     def _greedy(self) -> EvalConfig:

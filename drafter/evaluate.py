@@ -27,6 +27,11 @@ export's weights for the trained one, its architecture and seed for the untraine
   shares it whatever its output_dir (a fresh `make run`, the nightly deployment, CI jobs). It is also kept in
   dflash_meta.json, the fallback when the cache file is gone.
 Both store the steps of every prompt, so changing only `slice_by` recomputes the slices without a forward.
+
+A decoder we did not write (`evaluate.decoder`): 'reference' scores the trained drafter with z-lab's `dflash`
+0.1.0 (drafter/reference_decoder.py: its model class loading the export, its greedy decoding), 'both' with ours and
+then theirs on the same prompts, the report holding both figures and their ratio (`decoder_agreement`). The key of
+such an evaluation names the decoder and the package version; the untrained baseline is always ours.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_pipeline.drafter import reference_decoder
 from dflash_pipeline.drafter.acceptance_plot import plot_acceptance
 from dflash_pipeline.drafter.config import EvalConfig
 from dflash_pipeline.drafter.eval_cache import (
@@ -54,6 +60,7 @@ from dflash_pipeline.drafter.eval_cache import (
 )
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.prompts import check_slice_fields, load_prompts
+from dflash_pipeline.drafter.reference_decoder import reference_generate
 from dflash_pipeline.drafter.target_head import head_from_model
 from dflash_pipeline.extraction.capture import LayerCapture
 
@@ -133,6 +140,12 @@ class AcceptanceReport:
     baseline_key_digest: str | None = None
     key: dict = field(default_factory=dict)  # what the trained drafter's figures depend on
     elapsed_s: float = 0.0
+    decoder: str = "ours"  # evaluate.decoder: which decoder gave the figures above ('both': ours)
+    # evaluate.decoder=both: z-lab's reference decoder on the same prompts (drafter/reference_decoder.py)
+    reference_acceptance_length: float | None = None
+    reference_position_accept_rate: list[float] | None = None
+    reference_per_prompt: list[dict] | None = None
+    decoder_agreement: float | None = None  # reference_acceptance_length / acceptance_length
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,14 +166,22 @@ class AcceptanceReport:
             base = f"reused from {self.baseline_cache}"
         else:
             base = f"measured ({self.baseline_forwards} target forwards)"
-        return f"trained drafter {trained}; untrained baseline {base}"
+        by = {"reference": " by z-lab's reference decoder", "both": " by ours and by z-lab's reference decoder"}
+        return f"trained drafter {trained}{by.get(self.decoder, '')}; untrained baseline {base}"
 
     def to_markdown(self, title: str = "Drafter acceptance", plot_uri: str | None = None) -> str:
         rates = " | ".join(f"{r:.2f}" for r in self.position_accept_rate)
         heads = " | ".join(str(k) for k in range(1, len(self.position_accept_rate) + 1))
+        decoded = " (z-lab's reference decoder, dflash)" if self.decoder == "reference" else ""
         md = (
-            f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step "
+            f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step{decoded} "
             f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
+            + (
+                f"- z-lab's reference decoder (dflash `spec_generate`) on the same prompts: "
+                f"{self.reference_acceptance_length:.3f} ({self.decoder_agreement:.4f}x ours)\n"
+                if self.reference_acceptance_length is not None
+                else ""
+            )
             + (
                 f"- untrained drafter (baseline): {self.untrained_acceptance_length:.3f}\n"
                 if self.untrained_acceptance_length is not None
@@ -172,6 +193,8 @@ class AcceptanceReport:
             f"Acceptance rate by draft position (share of steps that accepted position k):\n\n"
             f"| k | {heads} |\n|---|{'---|' * len(self.position_accept_rate)}\n| rate | {rates} |\n"
         )
+        if self.reference_position_accept_rate is not None:
+            md += f"| reference decoder | {' | '.join(f'{r:.2f}' for r in self.reference_position_accept_rate)} |\n"
         if self.untrained_position_accept_rate is not None:
             md += f"| untrained | {' | '.join(f'{r:.2f}' for r in self.untrained_position_accept_rate)} |\n"
         for f, entries in self.slices.items():
@@ -257,8 +280,10 @@ def _steps(
     cfg: EvalConfig,
     prompts: list[dict],
     progress: Callable[[int, int], None] | None = None,
+    generate: Callable[..., tuple[list[int], list[int]]] = speculative_generate,
 ) -> list[dict]:
-    """Speculative decoding of every prompt: [{id, tokens, steps, acceptance_length, produced}]."""
+    """Speculative decoding of every prompt: [{id, tokens, steps, acceptance_length, produced}]. `generate`: ours
+    (speculative_generate) or the reference decoder's (reference_decoder.reference_generate), with its drafter."""
     eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     stop = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
     per_prompt = []
@@ -268,7 +293,7 @@ def _steps(
         ids = tokenizer.apply_chat_template(
             p["messages"], add_generation_prompt=True, tokenize=True, return_dict=True, **cfg.chat_template_kwargs
         )["input_ids"]
-        gen, produced = speculative_generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
+        gen, produced = generate(target, drafter, list(ids), cfg.max_new_tokens, stop)
         per_prompt.append(
             {
                 "id": p.get("id"),
@@ -345,12 +370,17 @@ def evaluate_export(
     tok = load_tokenizer(report.tokenizer_path, report.trust_remote_code)
     common = evaluation_key(report, cfg, rows, tok, device, dtype)
     key = trained_key(common, export_dir)
+    if cfg.decoder != "ours":  # (a key of decoder 'ours' stays what it was before the setting existed)
+        key["decoder"] = reference_decoder.key(cfg.decoder)  # also: the package is there (or a clear error now)
     spec = spec_of_export(export_dir)
     stored = read_meta(export_dir).get("acceptance") or {}
 
     trained: list[dict] | None = None
+    ref_trained: list[dict] | None = None
     if cfg.reuse and stored.get("key") == key and stored.get("per_prompt"):
-        trained = [{k: v for k, v in p.items() if k != "slices"} for p in stored["per_prompt"]]
+        if cfg.decoder != "both" or stored.get("reference_per_prompt"):
+            trained = [{k: v for k, v in p.items() if k != "slices"} for p in stored["per_prompt"]]
+            ref_trained = stored.get("reference_per_prompt") if cfg.decoder == "both" else None
     reused = trained is not None
     untrained: list[dict] | None = None
     bkey = bdigest = cache = None
@@ -375,8 +405,14 @@ def evaluate_export(
         counter = _ForwardCounter(target)
         try:
             if trained is None:
-                drafter = load_drafter(export_dir, device, dtype)
-                trained = _steps(drafter, target, tok, cfg, rows, _progress_log("trained drafter"))
+                if cfg.decoder in ("ours", "both"):
+                    drafter = load_drafter(export_dir, device, dtype)
+                    trained = _steps(drafter, target, tok, cfg, rows, _progress_log("trained drafter"))
+                if cfg.decoder in ("reference", "both"):  # z-lab's model class loading the export as it ships
+                    ref = reference_decoder.load_reference(export_dir, device, dtype)
+                    what = "trained drafter, z-lab's reference decoder"
+                    ref_trained = _steps(ref, target, tok, cfg, rows, _progress_log(what), reference_generate)
+                    trained, ref_trained = (trained, ref_trained) if trained is not None else (ref_trained, None)
                 fwd_trained, counter.n = counter.n, 0
             if want_baseline and untrained is None:
                 tb = time.monotonic()
@@ -388,6 +424,17 @@ def evaluate_export(
         finally:
             counter.close()
     rep = _report(trained, rows, cfg, spec.block_size, untrained)
+    rep.decoder = cfg.decoder
+    if ref_trained is not None:
+        ref_figures = aggregate([p["produced"] for p in ref_trained], spec.block_size)
+        rep.reference_acceptance_length = ref_figures["acceptance_length"]
+        rep.reference_position_accept_rate = ref_figures["position_accept_rate"]
+        rep.reference_per_prompt = ref_trained
+        rep.decoder_agreement = rep.reference_acceptance_length / rep.acceptance_length
+        log.info(
+            "evaluate: acceptance length %.3f by our decoder, %.3f by z-lab's reference decoder (ratio %.4f)",
+            rep.acceptance_length, rep.reference_acceptance_length, rep.decoder_agreement,
+        )  # fmt: skip
     rep.reused, rep.baseline_reused = reused, baseline_reused
     rep.baseline_cache = str(cache) if cache else None
     rep.target_forwards, rep.baseline_forwards = fwd_trained, fwd_base

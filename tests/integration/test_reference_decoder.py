@@ -1,0 +1,86 @@
+"""evaluate.decoder: acceptance by z-lab's own decoder (`dflash` 0.1.0, its model class loading our export as it
+ships) against ours on the embedded target, for a trained and an untrained drafter; the setting's report fields,
+its reuse, and the error without the package."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dflash_pipeline.drafter.config import EvalConfig, TrainConfig
+from dflash_pipeline.drafter.evaluate import evaluate_export
+from dflash_pipeline.drafter.export import export_drafter, spec_of_export
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.reference_decoder import PIP
+from dflash_pipeline.errors import ConfigError
+
+SKIP = "z-lab's dflash 0.1.0 is not installed (pip install --no-deps dflash==0.1.0)"
+EVAL = {"num_prompts": 8, "max_new_tokens": 24, "device": "cpu", "baseline": "off"}
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    """A tiny drafter (1 layer, block 6) trained for 150 steps on a validated store of the embedded target."""
+    from dflash_pipeline.drafter.train import train
+    from tests.helpers import extract_local
+
+    root = tmp_path_factory.mktemp("reference_decoder")
+    ex = extract_local(
+        root,
+        {"data.max_samples": 40, "layers.preset": "explicit", "layers.ids": [1, 3, 5], "validate.recompute_samples": 1},
+        validate=True,
+    )
+    cfg = TrainConfig(
+        block_size=6, num_draft_layers=1, batch_size=4, epochs=15, lr=3e-3, warmup_ratio=0.1,
+        anchors_per_sample=48, checkpoint_every=1000, num_workers=0, device="cpu",
+    )  # fmt: skip
+    result = train(cfg, ex.store, ex.report, root / "drafter")
+    return {"export": result.export_dir, "report": ex.report, "root": root}
+
+
+def _agree(rep) -> None:
+    assert rep.reference_acceptance_length is not None and rep.decoder == "both"
+    print(
+        f"acceptance length: ours {rep.acceptance_length:.4f}, reference {rep.reference_acceptance_length:.4f} "
+        f"(ratio {rep.decoder_agreement:.4f}; {rep.num_prompts} prompts, {rep.verify_steps} steps)"
+    )
+    assert abs(rep.decoder_agreement - 1) <= 0.02
+    assert len(rep.reference_position_accept_rate) == rep.block_size - 1
+
+
+def test_trained_drafter_ours_and_reference_agree(trained):
+    pytest.importorskip("dflash.model", reason=SKIP)
+    rep = evaluate_export(trained["export"], trained["report"], EvalConfig(decoder="both", **EVAL))
+    _agree(rep)
+    assert rep.acceptance_length > 1.1  # a drafter that drafts: accepted tokens beside the bonus, not only ~1
+    # on this target and these prompts the two decoders agree step for step (KV caches vs recomputing: float
+    # rounding could flip a near-tie argmax; it does not here)
+    assert [p["produced"] for p in rep.per_prompt] == [p["produced"] for p in rep.reference_per_prompt]
+    md = rep.to_markdown()
+    assert "z-lab's reference decoder" in md and f"{rep.reference_acceptance_length:.3f}" in md
+
+    again = evaluate_export(trained["export"], trained["report"], EvalConfig(decoder="both", **EVAL))
+    assert again.reused and again.target_forwards == 0
+    assert again.reference_acceptance_length == rep.reference_acceptance_length
+
+    only = evaluate_export(trained["export"], trained["report"], EvalConfig(decoder="reference", **EVAL))
+    assert only.decoder == "reference" and not only.reused and only.target_forwards > 0
+    assert only.acceptance_length == rep.reference_acceptance_length and only.reference_acceptance_length is None
+    assert "by z-lab's reference decoder" in only.reuse_line()
+
+
+def test_untrained_drafter_ours_and_reference_agree(trained, tmp_path):
+    pytest.importorskip("dflash.model", reason=SKIP)
+    torch.manual_seed(0)
+    export = export_drafter(DFlashDrafter(spec_of_export(trained["export"])), tmp_path / "export", dtype=torch.float32)
+    _agree(evaluate_export(str(export), trained["report"], EvalConfig(decoder="both", **EVAL)))
+
+
+def test_reference_without_the_package(trained, monkeypatch):
+    monkeypatch.setitem(sys.modules, "dflash.model", None)  # `import dflash.model` raises ImportError
+    with pytest.raises(ConfigError, match=f"evaluate.decoder .*`{PIP}`"):
+        evaluate_export(trained["export"], trained["report"], EvalConfig(decoder="reference", **EVAL))
+    ours = evaluate_export(trained["export"], trained["report"], EvalConfig(**EVAL))  # ours needs no package
+    assert ours.decoder == "ours" and ours.reference_acceptance_length is None
