@@ -148,7 +148,7 @@ def export_states(
         record = _start(outp, record, order, restart)
         dataset_written = False
         if not record["dataset_written"]:
-            _write_dataset(outp, ds, order)
+            _write_dataset(outp, ds, order, log_every_s)
             record["dataset_written"] = dataset_written = True
             _write_json(outp / RECORD, record)
         written, skipped, nbytes = _write_hidden_states(outp, ds, order, DTYPES[out_dtype][1], log_every_s)
@@ -226,6 +226,8 @@ def _start(out: Path, record: dict, order: list[str], restart: bool) -> dict:
                 "export-states: continuing the export in %s (%s version %s%s)",
                 out, old.get("store"), old.get("version"), ", complete" if old.get("complete") else "",
             )  # fmt: skip
+            if not (out / SAMPLE_IDS).is_file():
+                _write_sample_ids(out, order)
             return {**record, "dataset_written": bool(old.get("dataset_written")), "created": old.get("created")}
         what = "; ".join(f"{k}: {old.get(k)!r} there, {record[k]!r} now" for k in diff)
         if not restart:
@@ -241,10 +243,14 @@ def _start(out: Path, record: dict, order: list[str], restart: bool) -> dict:
     (out / HS_DIR).mkdir(parents=True, exist_ok=True)
     record = {**record, "created": _now()}
     _write_json(rec_path, record)
+    _write_sample_ids(out, order)
+    return record
+
+
+def _write_sample_ids(out: Path, order: list[str]) -> None:
     tmp = out / f".{SAMPLE_IDS}.{os.getpid()}.tmp"
     tmp.write_text("".join(f"{s}\n" for s in order))
     os.replace(tmp, out / SAMPLE_IDS)
-    return record
 
 
 def _ids_and_mask(ds: HiddenStateDataset, sample_id: str) -> tuple[list[int], list[int]]:
@@ -256,7 +262,7 @@ def _ids_and_mask(ds: HiddenStateDataset, sample_id: str) -> tuple[list[int], li
     return a["input_ids"][sl].astype("int64").tolist(), a["loss_mask"][sl].astype("int64").tolist()
 
 
-def _write_dataset(out: Path, ds: HiddenStateDataset, order: list[str]) -> None:
+def _write_dataset(out: Path, ds: HiddenStateDataset, order: list[str], log_every_s: float) -> None:
     """The `datasets` Dataset speculators' ArrowDataset loads (load_from_disk): written from a generator (bounded
     memory) into a temp directory, then its files moved into `out`."""
     import datasets
@@ -270,9 +276,16 @@ def _write_dataset(out: Path, ds: HiddenStateDataset, order: list[str]) -> None:
     )
 
     def rows():
-        for sid in order:
+        t0 = last = time.monotonic()
+        for n, sid in enumerate(order):
             ids, mask = _ids_and_mask(ds, sid)
             yield {"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}
+            if (now := time.monotonic()) - last >= log_every_s:
+                last, rate = now, (n + 1) / (now - t0)
+                log.info(
+                    "export-states: dataset %d/%d samples, %.0f samples/s, ETA %.0f s",
+                    n + 1, len(order), rate, (len(order) - n - 1) / rate,
+                )  # fmt: skip
 
     log.info("export-states: writing the dataset of %d samples (ids, loss masks)", len(order))
     work = Path(tempfile.mkdtemp(prefix=".dataset-", dir=out))

@@ -41,7 +41,8 @@ def _speculators_items(out: Path) -> list[dict]:
     """Every row of the export as speculators' training loader gives it (BaseDataset.__getitem__), on CPU."""
     data = pytest.importorskip(
         "speculators.train.data",
-        reason="speculators 0.9.0 is not installed (pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0)",
+        reason="speculators 0.9.0 is not installed (docs/INTEROP.md: pip install --no-deps speculators==0.9.0 "
+        "hs-connectors==0.9.0, and the reference extra)",
     )
     from hs_connectors import FileTransfer
 
