@@ -57,6 +57,13 @@ class PlanConfig(Section):
         description="GPU type the GPU-hours are estimated for ('H200', 'H100', 'A100', ...); 'auto' = the "
         "first visible GPU.",
     )
+    gpus: int = Field(
+        0,
+        ge=0,
+        description="GPUs the plan's GPU cost is for (extraction: one worker per GPU; training: data-parallel "
+        "torchrun); their scaling is the measured multi-GPU efficiency where a bench recorded one, else linear and "
+        "said to be assumed. 0 = the GPU workers extract.devices gives here (1 when there is no GPU).",
+    )
     calibration: Literal["auto", "forward", "synthetic"] = Field(
         "auto",
         description="Rows the bytes per token are measured on: 'forward' = the target's own hidden states "

@@ -6,8 +6,9 @@ Store size = tokens x bytes per token measured on a calibration sample (plus eac
 thousand tokens of the prepared dataset written into a scratch store as the run would write them, and the bytes of
 the files that result counted (core/calibration.py).
 
-GPU-hours come from throughputs recorded in bench/RESULTS.md on one H200 (RECORDED),
-scaled by the parameters a token passes through and by the GPU's dense bf16 peak (GPU_PEAK_TFLOPS).
+GPU-hours come from the rates the benchmarks recorded in core/rates.json (written by bench/rates.py from the raw
+bench files, never typed by hand; core/cost.py, docs/COST.md): the whole recipe's stages per GPU kind, for the GPUs
+the run uses (plan.gpus), each line naming the record it rests on and how it was scaled.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_pipeline import cost
 from dflash_pipeline.calibration import calibrate_reused
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
@@ -30,52 +32,8 @@ from dflash_pipeline.storage.identity import other_dataset, same_identity
 from dflash_pipeline.storage.layout import DTYPES
 from dflash_pipeline.storage.store import Store
 
-# Dense bf16 tensor-core peak (TFLOP/s, without sparsity), from the vendors' data sheets.
 REFUSED = "a run with these settings will be refused: "  # the note that makes `plan` exit 1
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
-
-
-@dataclass(frozen=True)
-class Recorded:
-    what: str
-    tokens_per_s: float
-    gpu: str
-    params_per_token: float  # parameters a token passes through (extraction) or the scaling basis (training)
-    source: str
-
-
-def _dense_layer(h: int, inter: int, heads: int, kv: int, hd: int) -> float:
-    return h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * inter
-
-
-# The 8B shape runs layers 0..33 (ids [1, 9, 17, 25, 33], early stop); the 27B hybrid layers 0..61.
-_P8B = 34 * _dense_layer(4096, 12288, 32, 8, 128)
-_GDN27 = 5120 * (2 * 16 * 128 + 2 * 48 * 128) + 5120 * 2 * 48 + 48 * 128 * 5120 + 3 * 5120 * 17408
-_FULL27 = 5120 * 24 * 256 * 3 + 2 * 5120 * 4 * 256 + 3 * 5120 * 17408
-_P27B = 47 * _GDN27 + 15 * _FULL27
-RECORDED = {
-    "dense": Recorded(
-        "Qwen3-8B shape (dense, 5 layers captured), pipeline defaults",
-        42724,
-        "H200",
-        _P8B,
-        "bench/RESULTS.md: 8B shape, full pipeline on one H200",
-    ),
-    "hybrid": Recorded(
-        "Qwen3.6-27B shape (Gated DeltaNet hybrid), pipeline defaults",
-        11637,
-        "H200",
-        _P27B,
-        "bench/RESULTS.md: 27B hybrid shape, full pipeline on one H200",
-    ),
-    "train": Recorded(
-        "DFlash drafter of the 8B shape (5 draft layers, hidden 4096, block 16, 512 anchors, batch 1)",
-        6051,
-        "H200",
-        5 * 4096**2,
-        "bench/RESULTS.md: bench/train_bench.py, 10.6 minutes on one H200",
-    ),
-}
+GPU_PEAK_TFLOPS = cost.GPU_PEAK_TFLOPS  # dense bf16 peak per GPU kind (vendors' data sheets)
 
 
 @dataclass
@@ -120,6 +78,9 @@ class StoreEstimate:
     # plan.write_test_mib: the store disk's measured write bandwidth against each precision (storage/diskcheck.py)
     disk_advice: dict | None = None
     disk_lines: list[str] = field(default_factory=list)
+    gpus: int = 1  # GPUs the cost is planned for (plan.gpus)
+    cost: list[dict] = field(default_factory=list)  # per GPU kind: core/cost.py's Cost.to_dict
+    cost_lines: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,13 +91,13 @@ class StoreEstimate:
 
     def lines(self) -> list[str]:
         gib = 2**30
-        if self.extract_gpu_hours is None:
-            hours = "not estimated"
-        elif self.small_target:  # (a fresh-user check: "863,577,085 tokens/s per H100" for the embedded target)
+        if self.small_target:  # (a fresh-user check: "863,577,085 tokens/s per H100" for the embedded target)
             hours = (
                 "not estimated: the target is too small for rates scaled by FLOPs from large targets (per-batch "
                 "overheads bound its speed; a short run measures it)"
             )
+        elif self.extract_gpu_hours is None:
+            hours = "not estimated"
         else:
             hours = (
                 f"extraction {self.extract_gpu_hours:.3g} GPU-hours ({self.extract_tokens_per_s:,.0f} tokens/s per "
@@ -163,36 +124,85 @@ class StoreEstimate:
             f"disk: {room}",
             f"GPU ({self.gpu or '-'}, {self.gpu_source}): {hours}",
             *(f"throughput basis: {b}" for b in ([] if self.small_target else self.throughput_basis)),
+            *self.cost_lines,
             *(f"note: {n}" for n in self.notes),
             *self.disk_lines,
         ]
 
     def to_markdown(self) -> str:
-        return "# Pre-flight plan\n\n" + "\n".join(f"- {line}" for line in self.lines()) + "\n"
+        """The plan as markdown (the preflight task's artifact): the lines, the cost table as a table."""
+        table = [x for x in self.cost_lines if x.startswith("|")]
+        rest = [x for x in self.lines() if x not in table]
+        at = next((i for i, x in enumerate(rest) if x.startswith("GPU cost of the recipe")), None)
+        items = [f"- {x}" for x in rest]
+        if at is not None and table:
+            items[at + 1 : at + 1] = ["", *table, ""]
+        return "# Pre-flight plan\n\n" + "\n".join(items) + "\n"
 
 
 # ---- GPU-hours ---------------------------------------------------------------------------------------------
 def params_per_token(report: ProbeReport) -> float:
     """Parameters of the decoder layers a token passes through during extraction (up to the highest captured
     layer: the forward stops there), from the checkpoint's config.json; MoE layers count their active experts."""
+    return _target(report)["params_per_token"]
+
+
+def _text_config(report: ProbeReport) -> dict:
     mc = read_model_config(report.model_path)
-    t = mc.get("text_config") or mc
-    h, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
-    kv, hd = int(t.get("num_key_value_heads", heads)), int(t.get("head_dim") or h // heads)
-    inter = int(t.get("intermediate_size") or 0)
-    if t.get("num_experts_per_tok"):
-        inter = int(t.get("moe_intermediate_size") or inter) * int(t["num_experts_per_tok"])
-        inter += int(t.get("shared_expert_intermediate_size") or 0)
-    run = report.num_layers if report.capture_last else max(report.layer_ids) + 1
-    total = 0.0
-    for kind in report.layer_types[:run]:
-        if kind == "linear_attention":
-            nk, nv = int(t.get("linear_num_key_heads", 16)), int(t.get("linear_num_value_heads", 32))
-            dk, dv = int(t.get("linear_key_head_dim", 128)), int(t.get("linear_value_head_dim", 128))
-            total += h * (2 * nk * dk + 2 * nv * dv) + h * 2 * nv + nv * dv * h + 3 * h * inter
-        else:
-            total += _dense_layer(h, inter, heads, kv, hd)
-    return total
+    return mc.get("text_config") or mc
+
+
+def _target(report: ProbeReport) -> dict:
+    return cost.target_shape(_text_config(report), report.layer_types, report.layer_ids, report.capture_last)
+
+
+def _gpus(cfg: RunConfig, report: ProbeReport) -> tuple[int, str]:
+    """GPUs the cost is planned for: plan.gpus, else the GPU workers this run would start here (at least 1)."""
+    if cfg.plan.gpus:
+        return cfg.plan.gpus, "plan.gpus"
+    n = sum(r.startswith("cuda") for r in report.replicas)
+    return max(n, 1), ("the GPU workers extract.devices gives here" if n else "no GPU here; plan.gpus=N plans for N")
+
+
+def work_of(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, committed: int, gpus: int) -> cost.Work:
+    """What the run does, in the amounts core/cost.py prices: tokens left to extract, tokens x epochs trained (the
+    packing and batch of train.*), conversations regenerated, prompts evaluated."""
+    t, k = _text_config(report), len(report.layer_ids)
+    tc, stages = cfg.train, set(cfg.stages)
+    regen = cfg.regenerate.enabled and "regenerate" in stages
+    return cost.Work(
+        target=_target(report),
+        drafter=cost.drafter_shape(t, tc.num_draft_layers or k, k, tc.block_size, tc.anchors_per_sample),
+        tokens=max(prepared.n_tokens - committed, 0) if "extract" in stages else 0,
+        samples=prepared.n_samples,
+        supervised=prepared.n_supervised_tokens,
+        epochs=tc.epochs if "train" in stages else 0.0,
+        batch_size=tc.batch_size,
+        grad_accum=tc.grad_accum,
+        pack=tc.pack,
+        max_steps=tc.max_steps,
+        fp8_target=(report.quantization or {}).get("forward") == "fp8",
+        regenerate=prepared.n_samples if regen else 0,
+        max_new_tokens=cfg.regenerate.max_new_tokens,
+        regen_batch=cfg.regenerate.batch_size,
+        eval_prompts=(cfg.evaluate.num_prompts or 0) if "evaluate" in stages else 0,
+        eval_new_tokens=cfg.evaluate.max_new_tokens,
+        validate="validate" in stages,
+        gpus=gpus,
+        flops_bound=_target(report)["params_per_token"] >= SMALL_TARGET,
+        per_sample=_sample_work(prepared, tc.anchors_per_sample, tc.block_size),
+    )
+
+
+def _sample_work(prepared: PrepareResult, anchors: int, block: int) -> dict | None:
+    """The training work per sample of the prepared data (core/cost.py's sample_work): anchors from each sample's
+    length, at the dataset's share of supervised tokens."""
+    try:
+        lengths = load_prepared(prepared.path)["seq_len"]
+    except (OSError, ValueError, KeyError):
+        return None
+    share = prepared.n_supervised_tokens / max(prepared.n_tokens, 1)
+    return cost.sample_work(lengths, share, anchors, block)
 
 
 def _gpu_name(cfg: RunConfig, report: ProbeReport) -> tuple[str | None, str]:
@@ -206,8 +216,7 @@ def _gpu_name(cfg: RunConfig, report: ProbeReport) -> tuple[str | None, str]:
 
 
 def _peak(name: str) -> float | None:
-    key = next((k for k in GPU_PEAK_TFLOPS if k.lower() in name.lower()), None)
-    return GPU_PEAK_TFLOPS[key] if key else None
+    return cost.peak(cost.gpu_kind(name))
 
 
 # ---- the estimate ------------------------------------------------------------------------------------------
@@ -308,30 +317,46 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
         notes=notes,
         calibration_reused=reused,
     )
-    peak = _peak(gpu) if gpu else None
-    if gpu and peak is None:
-        est.gpu_source += f"; no recorded peak for {gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"
-    elif peak:
-        rec = RECORDED["hybrid" if "linear_attention" in report.layer_types else "dense"]
-        scale = peak / GPU_PEAK_TFLOPS[rec.gpu]
-        est.extract_tokens_per_s = rec.tokens_per_s * rec.params_per_token / params_per_token(report) * scale
-        est.extract_gpu_hours = tokens / est.extract_tokens_per_s / 3600
-        tr = RECORDED["train"]
-        n_draft = cfg.train.num_draft_layers or k
-        est.train_tokens_per_s = tr.tokens_per_s * tr.params_per_token / (n_draft * h * h) * scale
-        epochs = cfg.train.epochs
-        est.train_gpu_hours = tokens * epochs / est.train_tokens_per_s / 3600
-        est.small_target = params_per_token(report) < SMALL_TARGET  # (then `lines` gives no GPU-hours)
-        est.throughput_basis = [
-            f"extraction: {rec.tokens_per_s:,} tokens/s recorded on one {rec.gpu} for the {rec.what} ({rec.source}), "
-            f"scaled by parameters per token ({rec.params_per_token / 1e9:.2f}B there, "
-            f"{params_per_token(report) / 1e9:.3g}B here) and bf16 peak ({peak:g} / {GPU_PEAK_TFLOPS[rec.gpu]:g} "
-            "TFLOP/s)",
-            f"training: {tr.tokens_per_s:,} tokens/s recorded on one {tr.gpu} for the {tr.what} ({tr.source}), "
-            f"scaled by draft layers x hidden^2 ({n_draft} x {h}^2) and bf16 peak; {epochs:g} epochs",
-        ]
+    _gpu_cost(est, cfg, report, prepared, committed)
     est.disk_advice, est.disk_lines = disk_check(cfg, report, est, logical)
     return est
+
+
+def _gpu_cost(est: StoreEstimate, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, committed: int):
+    """The recipe's GPU-hours per GPU kind (core/cost.py), and the plan's older GPU line for plan.gpu from them."""
+    records = cost.load_rates()
+    est.gpus, how = _gpus(cfg, report)
+    work = work_of(cfg, report, prepared, committed, est.gpus)
+    kind = cost.gpu_kind(est.gpu)
+    if est.gpu and kind not in {r.get("gpu") for r in records} and cost.peak(kind) is None:
+        est.gpu_source += f"; no recorded rate or bf16 peak for {est.gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"
+        kind = None
+    costs = [cost.estimate(records, work, k) for k in cost.kinds(records, kind)]
+    est.cost = [c.to_dict() for c in costs]
+    est.small_target = bool(est.gpu) and not work.flops_bound
+    if not any(s.gpu_hours is not None for c in costs for s in c.stages):
+        why = (
+            "the target is too small for rates scaled by FLOPs from other shapes, and no bench measured its shape"
+            if not work.flops_bound
+            else "no record in core/rates.json fits this run"
+        )
+        est.cost_lines = [f"GPU cost of the recipe: not estimated ({why}; docs/COST.md)"]
+    else:
+        est.cost_lines = cost.table_lines(costs) + [f"cost GPUs: {est.gpus} ({how})"]
+        if est.gpus > 1 and not any(s.scaling for c in costs for s in c.stages):
+            est.cost_lines.append("cost scaling: the stages estimated run on one GPU")
+    mine = next((c for c in costs if c.gpu == kind), None)
+    if mine is None:
+        return
+    by = {s.stage: s for s in mine.stages}
+    ex, tr = by.get("extract"), by.get("train")
+    if ex is None or ex.gpu_hours is None or tr is None or tr.gpu_hours is None:
+        return
+    est.small_target = False  # rates of its own shape, or scaled between FLOPs-bound targets
+    est.extract_gpu_hours, est.train_gpu_hours = ex.gpu_hours, tr.gpu_hours
+    est.extract_tokens_per_s = work.tokens / max(ex.gpu_hours * 3600, 1e-9)
+    est.train_tokens_per_s = work.train_tokens / max(tr.gpu_hours * 3600, 1e-9)
+    est.throughput_basis = [ex.basis, f"{tr.basis}; {work.epochs:g} epochs"]
 
 
 def precision_bytes_per_token(est: StoreEstimate, logical: str) -> dict[str, float]:

@@ -55,9 +55,9 @@ def test_run_refuses_a_store_the_disk_cannot_hold(model_dir, tmp_path):
 
 
 def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, capsys, monkeypatch):
-    """`dflash-pipeline plan` with the run's config and overrides; GPU-hours for a named GPU, from the recorded
-    H200 throughputs, except for a target too small for rates scaled by FLOPs (a fresh-user check: "863,577,085
-    tokens/s per H100" for the embedded target); exit status 1 when the store does not fit."""
+    """`dflash-pipeline plan` with the run's config and overrides; GPU-hours for a named GPU, from the benches'
+    recorded rates (core/rates.json), except for a target too small for rates scaled by FLOPs (a fresh-user check:
+    "863,577,085 tokens/s per H100" for the embedded target); exit status 1 when the store does not fit."""
     from dflash_pipeline import planner
     from dflash_pipeline.cli import main
 
@@ -70,7 +70,8 @@ def test_plan_command_prints_the_figures_for_a_named_gpu(model_dir, tmp_path, ca
     monkeypatch.setattr(planner, "SMALL_TARGET", 0)  # as a target of billions of parameters
     assert main(named) == 0
     out = capsys.readouterr().out
-    assert "GPU-hours" in out and "tokens/s recorded on one H200" in out and "bench/RESULTS.md" in out
+    assert "GPU-hours" in out and "scaled from the 8b shape by FLOPs per token" in out and "bench/results/" in out
+    assert "| H100 80GB |" in out and "| H200 |" in out  # the recipe's cost per GPU kind (core/cost.py)
     assert main([*args, "--set", "plan.disk_quota_gib=0.0001"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
