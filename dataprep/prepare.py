@@ -290,6 +290,58 @@ def _file_digests(folder: Path) -> dict[str, str]:
     return out
 
 
+def find_samples(
+    out_root: Path, fingerprints: list[str], wanted: list[str], opened: dict | None = None
+) -> tuple[dict[str, tuple[list[int], list[int]]], list[str]]:
+    """The token ids and loss masks of the `wanted` sample ids, looked up in the prepared datasets
+    `out_root/<fingerprint>/` (the ones a store version was made from, newest first), for a unit to be rebuilt whose
+    rows have changed or gone from the source since (a nightly run: docs/STORE.md, "Versions"). A dataset is used only
+    while every file matches its manifest's digests, and a sample only when its ids and mask hash to its id (the id is
+    their content hash), so nothing but the very tokens the unit was made from is ever returned. Returns
+    ({sample id: (ids, mask)}, why each dataset looked at could not be used, as clauses). `opened`: a dict kept by
+    the caller across calls, so that each dataset is checked and loaded once per run."""
+    want, found, why = set(wanted), {}, []
+    opened = {} if opened is None else opened
+    for fp in fingerprints:
+        if not want - set(found):
+            break
+        final = Path(out_root) / fp
+        if fp not in opened:
+            opened[fp] = _open_made(final)
+        ds, cannot = opened[fp]
+        if ds is None:
+            why.append(cannot)
+            continue
+        try:
+            rows = [i for i, sid in enumerate(ds["sample_id"]) if sid in want and sid not in found]
+            sub = ds.select(rows)
+        except Exception as e:  # noqa: BLE001 - an unreadable dataset is one that cannot be used, said why
+            why.append(f"prepared dataset {final} is unreadable ({type(e).__name__}: {e})")
+            continue
+        for sid, ids, mask in zip(sub["sample_id"], sub["input_ids"], sub["loss_mask"]):
+            ids, mask = [int(x) for x in ids], [int(x) for x in mask]
+            if sample_id(ids, mask) == sid:
+                found[sid] = (ids, mask)
+            else:
+                why.append(f"prepared dataset {final} holds other tokens under sample id {sid}")
+    return found, why
+
+
+def _open_made(final: Path):
+    """(the prepared dataset at `final`, None) when it is on disk as its manifest's digests say, else (None, why)."""
+    manifest = final / "manifest.json"
+    if not manifest.is_file():
+        return None, f"prepared dataset {final} is not on disk"
+    try:
+        files = json.loads(manifest.read_text()).get("files") or {}
+        if files and (now := _file_digests(final / "dataset")) != files:
+            changed = sorted(f for f in set(now) | set(files) if now.get(f) != files.get(f))
+            return None, f"prepared dataset {final} changed since it was made ({', '.join(changed[:3])})"
+        return load_prepared(str(final / "dataset")), None
+    except Exception as e:  # noqa: BLE001 - an unreadable dataset is one that cannot be used, said why
+        return None, f"prepared dataset {final} is unreadable ({type(e).__name__}: {e})"
+
+
 def load_quarantine(res: PrepareResult) -> list[dict]:
     p = Path(res.quarantine_path)
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []

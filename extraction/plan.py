@@ -7,10 +7,11 @@ import importlib.metadata as md
 import json
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.dataprep.prepare import PrepareResult, load_prepared
+from dflash_pipeline.dataprep.prepare import PrepareResult, find_samples, load_prepared
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.extraction.modelfiles import config_hash, weights_fingerprint
 from dflash_pipeline.extraction.probe import ProbeReport
@@ -147,10 +148,18 @@ def plan_extraction(
         sub = ds.select(rows)
         return sub["input_ids"], sub["loss_mask"]
 
+    opened: dict = {}
+
+    def made_from(wanted: list[str]):  # a unit's rows changed or gone since: the prepared datasets it was made from
+        fps = [fp for fp in store.attrs(version).get("dataset_fingerprints", []) if fp != prepared.fingerprint]
+        return find_samples(Path(prepared.path).parent.parent, fps[::-1], wanted, opened)  # newest first
+
     x = cfg.extract
+    nightly = x.new_version and x.incremental  # never stops the same way twice: what cannot be rebuilt is dropped
     return plan_units(
-        store, version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression
-    )
+        store, version, sample_ids, lengths, fetch, x.unit_tokens, x.chunk_mib, x.shard_mib, x.compression,
+        made_from, drop_lost=nightly,
+    )  # fmt: skip
 
 
 def assign_units(units: list[UnitInfo], devices: list[str]) -> dict[str, list[str]]:

@@ -14,6 +14,7 @@ import numpy as np
 from dflash_pipeline.errors import StoreError
 from dflash_pipeline.storage import discard, quant, retention
 from dflash_pipeline.storage.layout import COMPRESSIONS, DTYPES, chunking, compressors, sharded_arrays
+from dflash_pipeline.storage.leases import now_utc
 from dflash_pipeline.storage.location import resource_error
 from dflash_pipeline.storage.store import PLANNED_KEYS, PlanResult, Store, UnitInfo
 
@@ -30,10 +31,17 @@ def plan_units(
     chunk_mib: float,
     shard_mib: float,
     compression: str,
+    made_from: Callable[[list[str]], tuple[dict[str, tuple[list, list]], list[str]]] | None = None,
+    drop_lost: bool = False,
 ) -> PlanResult:
     """Create unit groups for samples not yet in any unit of this version.
 
-    `fetch(rows)` returns (input_ids, loss_masks) of those prepared rows.
+    `fetch(rows)` returns (input_ids, loss_masks) of those prepared rows. A unit to be rebuilt that holds samples
+    this run's prepared dataset lacks (their rows changed or disappeared since) is rebuilt from `made_from(ids)`:
+    ({sample id: (ids, mask)} found in the prepared datasets the version was made from, digests and content hashes
+    checked; why the others could not be used); failing that, with `drop_lost` (a nightly run), the unit is dropped
+    from the version and the samples of it this run's dataset holds are planned again into new units; otherwise the
+    run stops, naming them.
     A unit is planned only once its `planned` attribute is written (last); a unit group without it
     (the planner was killed) is removed and planned again. Units are consecutive runs of the
     prepared order, stored longest-first (batches of similar length; OOM shows up at once).
@@ -51,7 +59,9 @@ def plan_units(
         store.loc.rmtree(store._unit_rel(version, u))
         store.loc.rmtree(store._plan_rel(version, u))
     row_of = {sid: i for i, sid in enumerate(sample_ids)}
-    repaired = _repair_units(store, version, attrs, row_of, lengths, fetch, compression, set(restored))
+    repaired = _repair_units(
+        store, version, attrs, row_of, lengths, fetch, compression, set(restored), made_from, drop_lost
+    )
     assigned: set[str] = set()
     for u in store.units(version):
         assigned.update(s[0] for s in store.unit_attrs(version, u)["samples"])
@@ -114,7 +124,18 @@ def _half_planned(store: Store, version: str, unit: str) -> bool:
         return not store.loc.exists(store._plan_rel(version, unit))
 
 
-def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compression, restored=frozenset()) -> list[str]:
+def _repair_units(
+    store: Store,
+    version,
+    attrs,
+    row_of,
+    lengths,
+    fetch,
+    compression,
+    restored=frozenset(),
+    made_from=None,
+    drop_lost=False,
+) -> list[str]:
     """Units that fail the cheap verification (a committed file missing or of the wrong size, attributes
     that differ from the plan record, a unit directory missing) are discarded and created again from their
     plan record: same name, same samples in the same order, same chunking, so their extraction recomputes
@@ -123,7 +144,8 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     is not touched. Units that verify are not touched; a unit without commit record is unfinished work, which
     its writer starts over. Content digests are checked by `dflash-pipeline verify --repair`, which discards
     units whose bytes differ; this then recreates them too, as the units whose data retention deleted
-    (`restored`)."""
+    (`restored`). A unit holding samples this run's dataset lacks is rebuilt from the prepared datasets it was made
+    from, else dropped (`drop_lost`), else the run stops naming them (plan_units)."""
     from dflash_pipeline.storage.misplaced import move_back_commands
     from dflash_pipeline.storage.plan_records import rebuild_plan_records, unusable_plan
     from dflash_pipeline.storage.verify import verify_version
@@ -141,6 +163,7 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
     discarded = discard.record(store, version)
     if present := [u for u in sorted(damaged) if store.loc.exists(store._unit_rel(version, u))]:
         discard.refuse_while_read(store, version, present, "rerun to rebuild them")
+    dropped: set[str] = set()
     for u, problems in damaged.items():
         unit_url = store.loc.url_of(store._unit_rel(version, u))
         try:
@@ -148,26 +171,60 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
         except ValueError:
             plan = None
         if not isinstance(plan, dict) or not all(k in plan for k in PLANNED_KEYS):
+            if drop_lost:
+                _drop_unit(store, version, u, problems[0], "it has no intact plan record to rebuild it from")
+                dropped.add(u)
+                continue
             raise StoreError(
                 f"unit {unit_url} is damaged ({problems[0]}) and has no intact plan record to rebuild it from: "
                 "delete its directory and its plan record, and rerun to plan its samples again into a new unit"
             )
         if why := unusable_plan(plan, attrs.get("logical_dtype")):
+            if drop_lost:
+                _drop_unit(store, version, u, problems[0], f"its plan record cannot rebuild it ({why})", plan, row_of)
+                dropped.add(u)
+                continue
             raise StoreError(
                 f"unit {unit_url} needs rebuilding, and its plan record {store._plan_rel(version, u)} cannot rebuild "
                 f"it ({why}): it was edited or damaged. Delete the plan record (and the unit's directory, if any) "
                 "and rerun: its samples are planned again into a new unit"
             )
         foreign = [sid for sid, _, _ in plan["samples"] if sid not in row_of]
+        rows, length, unit_fetch = row_of, lengths.__getitem__, fetch
         if foreign:
-            raise StoreError(
-                f"unit {unit_url} is damaged ({problems[0]}) and holds "
-                f"{len(foreign)} samples that are not in this run's prepared dataset (e.g. {foreign[0]}); rerun "
-                "with the dataset it was made from (see the version's dataset_fingerprints) to repair it"
+            found, why = made_from(foreign) if made_from is not None else ({}, [])
+            lost = [sid for sid in foreign if sid not in found]
+            if lost and drop_lost:
+                lost_why = (
+                    f"{len(lost)} of its samples are of rows changed or gone since, in no prepared dataset on disk it "
+                    f"was made from ({'; '.join(why) or 'none recorded'})"
+                )
+                _drop_unit(store, version, u, problems[0], lost_why, plan, row_of)
+                dropped.add(u)
+                continue
+            if lost:
+                fps = attrs.get("dataset_fingerprints") or []
+                raise StoreError(
+                    f"unit {unit_url} is damaged ({problems[0]}) and holds {len(lost)} samples that are not in this "
+                    f"run's prepared dataset (e.g. {lost[0]}), nor in a prepared dataset it was made from "
+                    f"({'; '.join(why) or 'none looked at'}); rerun with the dataset it was made from "
+                    f"(one of the version's dataset_fingerprints: {', '.join(fps)}) to repair it"
+                )
+            log.info(
+                "unit %s: %d of its samples are of rows changed or gone since; rebuilt from the prepared dataset it "
+                "was made from",
+                unit_url,
+                len(foreign),
             )
-        wrong = [(sid, n, lengths[row_of[sid]]) for sid, _, n in plan["samples"] if lengths[row_of[sid]] != n]
+            rows, length, unit_fetch = _with_rows(row_of, lengths, fetch, found)
+        wrong = [(sid, n, length(rows[sid])) for sid, _, n in plan["samples"] if length(rows[sid]) != n]
         if wrong:
             sid, n, m = wrong[0]
+            if drop_lost:
+                differs = f"its plan record contradicts the prepared dataset (sample {sid}: {n} tokens, {m} prepared)"
+                _drop_unit(store, version, u, problems[0], differs, plan, row_of)
+                dropped.add(u)
+                continue
             raise StoreError(
                 f"unit {unit_url} is damaged ({problems[0]}) and its plan record {store._plan_rel(version, u)} "
                 f"contradicts the prepared dataset (sample {sid}: {n} tokens in the record, {m} prepared; "
@@ -189,7 +246,7 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
                 "; ".join(problems[:3]),
                 len(plan["samples"]),
             )
-        order = [row_of[sid] for sid, _, _ in plan["samples"]]
+        order = [rows[sid] for sid, _, _ in plan["samples"]]
         if (packing := plan.get("compression", "zstd")) not in COMPRESSIONS:  # an edited record: the run's
             packing = compression
         _create_unit(
@@ -198,14 +255,56 @@ def _repair_units(store: Store, version, attrs, row_of, lengths, fetch, compress
             u,
             {**plan, "compression": packing},
             order,
-            fetch,
+            unit_fetch,
             len(attrs["layer_ids"]),
             attrs["hidden_size"],
             attrs.get("capture_last", False),
             quant.scheme(attrs),
         )
         discard.forget(store, version, u)  # planned again: no longer discarded
-    return sorted(damaged)
+    return sorted(set(damaged) - dropped)
+
+
+def _with_rows(row_of, lengths, fetch, found: dict[str, tuple[list, list]]):
+    """(row_of, lengths, fetch) of this run's prepared rows followed by the samples `found` elsewhere (numbered after
+    them), for a unit rebuilt from the prepared dataset it was made from."""
+    n, extra = len(lengths), list(found.items())
+    rows = {**row_of, **{sid: n + j for j, (sid, _) in enumerate(extra)}}
+    more = [len(ids) for _, (ids, _) in extra]
+
+    def length(i: int) -> int:
+        return more[i - n] if i >= n else lengths[i]
+
+    def both(order):
+        mine = [i for i in order if i < n]
+        got = dict(zip(mine, zip(*fetch(mine)))) if mine else {}
+        pairs = [got[i] if i < n else extra[i - n][1] for i in order]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    return rows, length, both
+
+
+def _drop_unit(store: Store, version, unit, problem, cannot, plan=None, row_of=None) -> None:
+    """A nightly run's damaged unit that cannot be rebuilt (`cannot`: why; some of its rows changed or gone since
+    with no prepared dataset on disk it was made from holding them, or no usable plan record): out of the version (its
+    directory and its plan record; a snapshot's files are links, so the versions it was shared from keep theirs),
+    recorded in repairs.json. The samples of it this run's dataset holds are in no unit then, so this run plans them
+    again into new units: the night heals, where every later night stopped the same way."""
+    samples = (plan or {}).get("samples") or []
+    kept = sum(isinstance(s, list) and bool(s) and s[0] in (row_of or {}) for s in samples)
+    note = f"dropped: damaged ({problem}) and {cannot}; " + (
+        f"{kept} of its {len(samples)} samples extracted again into new units"
+        if samples
+        else "its samples this run's dataset holds extracted again into new units"
+    )
+    if store.loc.exists(store._unit_rel(version, unit)):
+        discard.discard_units(store, version, [unit], {unit: note}, "rerun the nightly run")
+    else:
+        entry = {"at": now_utc(), "unit": unit, "why": note}
+        store.loc.write_json_atomic(f"{version}/{discard.REPAIRS}", [*discard.repairs(store, version), entry])
+    store.loc.rmtree(store._plan_rel(version, unit))
+    discard.forget(store, version, unit)
+    log.warning("store version %s: unit %s %s", store.loc.url_of(version), unit, note)
 
 
 def _create_unit(store: Store, version, name, plan, order, fetch, k, hidden, capture_last, precision="full") -> None:

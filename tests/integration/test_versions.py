@@ -60,21 +60,25 @@ def test_a_snapshot_does_not_share_a_unit_whose_commit_record_is_malformed(tmp_p
 def test_a_snapshot_keeps_the_samples_of_a_unit_repair_discarded(tmp_path, model_dir):
     """Found by a damage hunt: after `verify --repair` discarded a damaged unit of the published version, an
     incremental run whose dataset lacked that unit's samples published a snapshot without them (validation checks
-    this run's dataset only). The snapshot keeps the unit's plan record: the run stops naming the samples its
-    dataset lacks, and one whose dataset has them extracts the unit again, bit for bit."""
+    this run's dataset only). The snapshot keeps the unit's plan record, and the run rebuilds the unit, bit for bit,
+    from the prepared dataset it was made from (issue 50: a nightly run stopped on it every night); with that dataset
+    gone from the disk, a run that is not a nightly one stops naming the samples its dataset lacks."""
     extract_local(tmp_path, {**BASE, "data.max_samples": 30}, validate=True)
     store = Store(tmp_path / "store")
     last = store.units("v0001")[-1]  # the last rows of the prepared order
     before = HiddenStateDataset(store.url, "v0001")
     want = {before.samples[i].sample_id: before[i]["hidden"] for i in range(len(before))}
     shutil.move(tmp_path / "store/v0001/units" / last, tmp_path / "discarded")  # as verify --repair discards it
-    with pytest.raises(StoreError, match=r"samples that are not in this run's prepared dataset"):
+    made = tmp_path / "prepared" / store.attrs("v0001")["dataset_fingerprints"][0]
+    shutil.move(made, tmp_path / "aside")
+    with pytest.raises(StoreError, match=r"samples that are not in this run's prepared dataset .* is not on disk"):
         extract_local(tmp_path, {**BASE, "data.max_samples": 10})
     assert store.current() == "v0001"
-    again = extract_local(tmp_path, {**BASE, "data.max_samples": 40})
-    assert again.plan.version == "v0002" and last in again.plan.repaired_units and again.plan.new_samples == 10
+    shutil.move(tmp_path / "aside", made)  # back on disk: the unit is rebuilt from it
+    again = extract_local(tmp_path, {**BASE, "data.max_samples": 10})
+    assert again.plan.version == "v0002" and again.plan.repaired_units == [last] and again.plan.new_samples == 0
     ds = HiddenStateDataset(store.url, "v0002", unvalidated="warn")
-    assert len(ds) == 40
+    assert len(ds) == 30
     got = {ds.samples[i].sample_id: ds[i]["hidden"] for i in range(len(ds))}
     assert all(torch.equal(got[sid], h) for sid, h in want.items())
 
