@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import rates  # bench/rates.py, beside this script
 import torch
 from common import (
     SHAPES,
@@ -443,6 +444,10 @@ def main():
     sampler.stop()
     summary(results)
     dump()
+    # the plan's rates (core/rates.json, core/cost.py): this run's (b) per shape, also into --out
+    rates.record_file(
+        out / "bench.json", "python bench/extract_bench.py " + " ".join(sys.argv[1:]), copy_to=out / "rates.json"
+    )
 
 
 def summary(results):

@@ -202,13 +202,31 @@ def from_multi_gpu_bench(path: Path, d: dict) -> list[dict]:
     return [rec]
 
 
-def _realtext_shape(report_path: Path) -> tuple[dict, dict] | None:
-    """(target config, the target report) of a real-text run: the target_report.json of the same date and tag."""
+def _run_config(argv: list[str]) -> dict:
+    """The YAML config a real-text run names (its file as it is now; the run's --set overrides not applied)."""
+    import yaml
+
+    conf = argv[argv.index("--config") + 1] if "--config" in argv else "configs/realtext.yaml"
+    try:
+        return yaml.safe_load((ROOT / conf).read_text()) or {}
+    except OSError:
+        return {}
+
+
+def _realtext_shape(report_path: Path, argv: list[str]) -> tuple[dict, dict] | None:
+    """(target config, the target report) of a real-text run: the target_report.json of the same date and tag
+    beside it (bench/realtext/results/), else, when a bench records its fresh report, the config.json of the target
+    its config names."""
     stem = _stem(report_path)
     for name in (f"{stem}target_report.json", f"{report_path.name[:10]}_target_report.json"):
         p = report_path.with_name(name)
         if p.is_file():
             return json.loads(p.read_text())["model"], {}
+    model = ((_run_config(argv).get("target") or {}).get("model_path")) or ""
+    p = ROOT / model / "config.json"
+    if model and p.is_file():
+        c = json.loads(p.read_text())
+        return c.get("text_config") or c, {}
     return None
 
 
@@ -235,7 +253,7 @@ def _stem(report_path: Path) -> str:
 
 def from_pipeline_report(path: Path, d: dict) -> list[dict]:
     """bench/realtext/pipeline.py's report: the stages of the pipeline on the real-text target, each timed."""
-    shape = _realtext_shape(path)
+    shape = _realtext_shape(path, d.get("argv") or [])
     if shape is None:
         return []
     model, _ = shape
@@ -272,7 +290,7 @@ def from_pipeline_report(path: Path, d: dict) -> list[dict]:
                     "wall_s": t["validate"], "overhead_s": 0.0, "settings": {}})  # fmt: skip
     run = d.get("train_run") or {}
     meta = path.with_name(f"{_stem(path)}dflash_meta.json")
-    tc = json.loads(meta.read_text())["train_config"] if meta.is_file() else {}
+    tc = json.loads(meta.read_text())["train_config"] if meta.is_file() else _run_config(argv).get("train") or {}
     sup = _supervised_share(path)
     if run.get("tokens_per_s") and t.get("train") and tok and s.get("new_samples") and sup:
         n = s["new_samples"]
@@ -316,13 +334,7 @@ def from_pipeline_report(path: Path, d: dict) -> list[dict]:
 def _regen_settings(argv: list[str]) -> dict:
     """regenerate.max_new_tokens and batch_size of a real-text run: the config it names (its file as it is now),
     with the run's --set overrides."""
-    import yaml
-
-    conf = argv[argv.index("--config") + 1] if "--config" in argv else "configs/realtext.yaml"
-    try:
-        r = (yaml.safe_load((ROOT / conf).read_text()) or {}).get("regenerate") or {}
-    except OSError:
-        r = {}
+    r = _run_config(argv).get("regenerate") or {}
     out = {"max_new_tokens": r.get("max_new_tokens"), "batch_size": r.get("batch_size")}
     for i, a in enumerate(argv[:-1]):
         if a == "--set" and argv[i + 1].startswith("regenerate."):
@@ -376,16 +388,24 @@ def write(records: list[dict], path: Path = RATES) -> None:
     tmp.replace(path)
 
 
-def record_file(raw: str | Path, command: str | None = None, path: Path = RATES) -> list[dict]:
+def record_file(
+    raw: str | Path, command: str | None = None, path: Path = RATES, copy_to: Path | None = None
+) -> list[dict]:
     """Append the records of a bench's raw file to the rates file (a bench calls this when it finishes); records of
-    the same raw file are replaced. Never fails the bench: a problem is printed."""
+    the same raw file are replaced. copy_to: the updated file written there too (the bench's output folder, which is
+    what comes back from a GPU machine). Never fails the bench: a problem is printed."""
     try:
-        new = parse(Path(raw))
+        new = [r for r in parse(Path(raw)) if r.get("gpu") not in (None, "cpu")]  # GPU runs only
         for r in new:
             if command:
                 r["command"] = command
+        if not new:
+            print(f"rates: no GPU rate in {raw}: nothing recorded", flush=True)
+            return []
         old = [r for r in cost.load_rates(path) if r.get("raw") not in {n["raw"] for n in new}]
         write(old + new, path)
+        if copy_to is not None:
+            write(old + new, Path(copy_to))
         print(f"rates: {len(new)} record(s) of {raw} in {_rel(path)}", flush=True)
         return new
     except Exception as e:  # noqa: BLE001 - a bench's figures are its result; the rates file is a by-product

@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+import rates  # bench/rates.py, beside this script
 import torch
 from common import SHAPES, log, plan_store, profile_table, publish_store, saved_target, synthetic_samples, worker_spec
 from instruments import kernel_busy, matmul_peak
@@ -346,6 +347,10 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         (out / "train_bench.json").write_text(json.dumps(res, indent=2, default=str))
+    # the plan's rates (core/rates.json, core/cost.py): each variant's steady rate and whole run, also into --out
+    rates.record_file(
+        out / "train_bench.json", "python bench/train_bench.py " + " ".join(sys.argv[1:]), copy_to=out / "rates.json"
+    )
     print("\nvariant | tokens/s | MFU | data wait | peak GiB | steps in window")
     for v in res["variants"]:
         if "error" in v:

@@ -16,7 +16,9 @@ its `speculators/train/data.py` ArrowDataset and `hs_connectors` FileTransfer, d
 
 Their loader splits `hidden_states[:, :-1]` (flattened to [T, K*H]) from `hidden_states[:, -1]` (the verifier's last
 hidden state) and takes the loss mask from the dataset row; it refuses a file whose token ids differ from the row's.
-Every file holds the last hidden state, so a version extracted without `layers.capture_last` is refused.
+Every file holds the last hidden state: the store's `last_hidden` (`layers.capture_last`), or, in a version without
+it whose captured layers include the last decoder layer, that layer's values (the same pre-norm output); a version
+with neither is refused.
 
 Layer numbering: our ids are decoder-layer indices (output of layer i = HF hidden_states[i + 1]); vLLM and
 speculators number the same layer i + 1 (their 0 is the embeddings): train speculators with `--target-layer-ids`
@@ -108,11 +110,17 @@ def export_states(
             f"versions only: {unvalidated_fix(store, version, why).split(', or read it anyway')[0]}"
         )
     attrs = store.attrs(version)
-    if not attrs.get("capture_last"):
+    last_layer = attrs["num_layers"] - 1
+    if attrs.get("capture_last"):
+        last_from: str | int = "last_hidden"
+    elif last_layer in attrs["layer_ids"]:  # a captured layer is the last one: its output is the last hidden state
+        last_from = list(attrs["layer_ids"]).index(last_layer)
+    else:
         raise StoreError(
             f"store version {store.loc.url_of(version)} holds no last hidden state (it was extracted without "
-            "layers.capture_last): speculators' trainers read the verifier's last hidden state from every file (the "
-            "last slot of `hidden_states`; DFlash's targets are computed from it). Extract a version with "
+            f"layers.capture_last, and its layers {attrs['layer_ids']} do not include the last decoder layer, "
+            f"{last_layer}): speculators' trainers read the verifier's last hidden state from every file (the last "
+            "slot of `hidden_states`; DFlash's targets are computed from it). Extract a version with "
             "--set layers.capture_last=true (a new version of the store) and export that"
         )
     out_dtype = attrs["logical_dtype"] if dtype == "store" else dtype
@@ -140,6 +148,7 @@ def export_states(
             "slot of each file's hidden_states is the verifier's last hidden state (speculators id num_layers)",
             "speculators_target_layer_ids": [i + 1 for i in layer_ids],
             "hidden_states_slots": len(layer_ids) + 1,
+            "last_hidden_state_from": "last_hidden" if last_from == "last_hidden" else f"layer {last_layer}",
             "model_path": attrs.get("model_path"),
             "complete": False,
             "dataset_written": False,
@@ -151,7 +160,7 @@ def export_states(
             _write_dataset(outp, ds, order, log_every_s)
             record["dataset_written"] = dataset_written = True
             _write_json(outp / RECORD, record)
-        written, skipped, nbytes = _write_hidden_states(outp, ds, order, DTYPES[out_dtype][1], log_every_s)
+        written, skipped, nbytes = _write_hidden_states(outp, ds, order, DTYPES[out_dtype][1], last_from, log_every_s)
     finally:
         ds.close()
     record.update(complete=True, finished=_now())
@@ -309,9 +318,10 @@ def _write_dataset(out: Path, ds: HiddenStateDataset, order: list[str], log_ever
 
 
 def _write_hidden_states(
-    out: Path, ds: HiddenStateDataset, order: list[str], dtype: torch.dtype, log_every_s: float
+    out: Path, ds: HiddenStateDataset, order: list[str], dtype: torch.dtype, last_from: str | int, log_every_s: float
 ) -> tuple[int, int, int]:
-    """hs_{i}.safetensors for every sample not yet written: (written, skipped, bytes written)."""
+    """hs_{i}.safetensors for every sample not yet written: (written, skipped, bytes written). `last_from`: where
+    the last hidden state comes from, "last_hidden" or the index of the captured layer that is the last one."""
     from safetensors.torch import save_file
 
     hs = out / HS_DIR
@@ -326,7 +336,8 @@ def _write_hidden_states(
     nbytes = tokens = 0
     for n, i in enumerate(todo):
         item = ds[ds.index_of(order[i])]
-        states = torch.cat([item["hidden"], item["last_hidden"][:, None]], dim=1).to(dtype).contiguous()
+        final = item["last_hidden"] if last_from == "last_hidden" else item["hidden"][:, last_from]
+        states = torch.cat([item["hidden"], final[:, None]], dim=1).to(dtype).contiguous()
         tensors = {"hidden_states": states, "token_ids": item["input_ids"].to(torch.int64).contiguous()}
         tmp = hs / f".{hs_name(i)}.{os.getpid()}.tmp"
         save_file(tensors, str(tmp))

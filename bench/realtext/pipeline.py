@@ -126,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.report or work / "pipeline_report.json"
     out.write_text(json.dumps(report, indent=1, default=str))
+    # the plan's rates (core/rates.json, core/cost.py): this run's stages, also beside the report
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import rates  # noqa: E402 - bench/rates.py
+
+    rates.record_file(
+        out, "python bench/realtext/pipeline.py " + " ".join(sys.argv[1:]), copy_to=out.with_name("rates.json")
+    )
     log(f"stage times (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
     acc = runner.results.get("evaluate")
     if acc:

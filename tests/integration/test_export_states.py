@@ -137,6 +137,29 @@ def test_refusals(validated_store, tmp_path):
         export_states(store, tmp_path / "c", version="v0099")
 
 
+def test_last_hidden_state_from_the_last_captured_layer(model_dir, tmp_path, monkeypatch):
+    """A version without layers.capture_last whose layers include the last decoder layer (7 of 8): that layer's
+    values are the last hidden state (both are its pre-norm output). With neither: refused, naming the fix."""
+    from dflash_pipeline.storage.store import Store
+    from tests.helpers import extract_local
+
+    over = {"data.max_samples": 6, "layers.preset": "explicit", "layers.ids": [1, 7], "layers.capture_last": False}
+    ex = extract_local(tmp_path / "run", over, validate=True)
+    out = tmp_path / "spec"
+    export_states(ex.store, out)
+    assert json.loads((out / RECORD).read_text())["last_hidden_state_from"] == "layer 7"
+    ours = HiddenStateDataset(ex.store)
+    for sid, got in zip((out / SAMPLE_IDS).read_text().split(), _speculators_items(out)):
+        want = ours[ours.index_of(sid)]
+        assert torch.equal(got["hidden_states"], want["hidden"].flatten(1))
+        assert torch.equal(got["verifier_last_hidden_states"], want["hidden"][:, 1])
+
+    attrs = Store.attrs
+    monkeypatch.setattr(Store, "attrs", lambda self, v: {**attrs(self, v), "layer_ids": [1, 3]})
+    with pytest.raises(PipelineError, match=r"holds no last hidden state .*--set layers.capture_last=true"):
+        export_states(ex.store, tmp_path / "other")
+
+
 def test_cli(validated_store, tmp_path, capsys):
     from dflash_pipeline.cli import main
 
