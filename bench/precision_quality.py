@@ -38,7 +38,7 @@ def store_bytes(version_dir: Path) -> dict[str, int]:
 def run_row(config: str, overrides: dict, precision: str, seed: int) -> dict:
     """One pipeline run (the stages `overrides` name, in this process, no Prefect) and its row of the table."""
     from dflash_pipeline.config import load_config
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
     from dflash_pipeline.storage.store import Store
 
     store = Path(overrides["store_path"])

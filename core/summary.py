@@ -1,5 +1,5 @@
 """What a run did (`RunSummary`): the CLI prints it, the flow returns it, the summary artifact shows it. Filled in
-place by dflash_pipeline.stages.run_pipeline as the stages end, so a failed run has it too."""
+place by dflash_pipeline.order.run_pipeline as the stages end, so a failed run has it too."""
 
 from __future__ import annotations
 

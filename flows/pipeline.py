@@ -1,4 +1,4 @@
-"""The pipeline flow: the stages of dflash_pipeline.stages.run_pipeline (the one place that orders them),
+"""The pipeline flow: the stages of dflash_pipeline.order.run_pipeline (the one place that orders them),
 each run as a Prefect task, extraction fanned out to one task per device.
 
     probe -> [regenerate] -> prepare -> plan -> extract (one task per device) -> validate -> promote CURRENT
@@ -31,7 +31,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from dflash_pipeline import stages
+from dflash_pipeline import order, stages
 from dflash_pipeline.config import RunConfig, load_config
 from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
@@ -134,7 +134,7 @@ def dflash_pipeline(
     runner = PrefectRunner()
     try:
         with stops_remembered(), artifacts_of_store(where.store):
-            summary = stages.run_pipeline(cfg, runner, summary)
+            summary = order.run_pipeline(cfg, runner, summary)
             raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
         stopped = procs.stop_workers()

@@ -17,7 +17,7 @@ from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.validate import ValidationReport
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.layout import ARRAYS
 from dflash_pipeline.storage.store import PlanResult, Store
 

@@ -1,4 +1,4 @@
-"""The pipeline on the real-text target, on one GPU, inside one device call: `stages.run_pipeline(cfg, runner)` (the
+"""The pipeline on the real-text target, on one GPU, inside one device call: `order.run_pipeline(cfg, runner)` (the
 order and the stage code of the CLI, without Prefect, which the GPU machine lacks) with a runner that
 - times every stage (wall seconds; GPU-hours = wall x GPUs / 3600),
 - bounds the drafter's training by wall clock: at the deadline it sends itself SIGTERM, so the training saves a
@@ -38,9 +38,9 @@ STAGES = ("probe", "regenerate", "prepare", "estimate", "plan", "extract", "vali
 
 
 def make_runner(args, timings: dict, extra: dict):
-    from dflash_pipeline import stages
+    from dflash_pipeline import order, stages
 
-    class Runner(stages.LocalRunner):
+    class Runner(order.LocalRunner):
         def __getattribute__(self, name):
             attr = super().__getattribute__(name)
             if name in STAGES:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    from dflash_pipeline import stages
+    from dflash_pipeline import order, stages
     from dflash_pipeline.config import load_config
 
     overrides = list(args.set) + ([f"stages=[{args.stages}]"] if args.stages else [])
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict = {}
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     runner = make_runner(args, timings, extra)
-    summary = stages.run_pipeline(cfg, runner)
+    summary = order.run_pipeline(cfg, runner)
     total = time.monotonic() - T0
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -174,7 +174,7 @@ def test_a_failed_night_leaves_current_and_the_next_night_publishes(server, tmp_
     deployment."""
     from dflash_pipeline.config import load_config
     from dflash_pipeline.flows.pipeline import compose_overrides
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
 
     rows = CONVERSATIONS_MESSAGES.read_text().splitlines()
     data = tmp_path / "chats.jsonl"

@@ -46,7 +46,7 @@ def work(tmp_path_factory):
     published as a run publishes it: training reads only a validated version by default."""
     from dflash_pipeline import stages
     from dflash_pipeline.config import load_config
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
 
     root = tmp_path_factory.mktemp("drafter")
     base = {"output_dir": str(root), "extract.devices": "cpu", "extract.isolation": "thread"}
@@ -304,7 +304,7 @@ def test_a_second_run_in_the_same_drafter_directory_is_refused(tmp_path):
     error naming the directory and the holder, and the directory is free again when the holder dies."""
     from dflash_pipeline.config import load_config
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
 
     over = {"output_dir": str(tmp_path), "store_path": str(tmp_path / "store"), "stages": ["train", "evaluate"]}
     over |= {"extract.devices": "cpu", "train.device": "cpu"}
@@ -390,7 +390,7 @@ def test_a_training_from_before_a_repair_of_its_version_is_moved_aside_not_reuse
     import shutil
 
     from dflash_pipeline.config import load_config
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
     from dflash_pipeline.storage.discard import discard_units, repairs
     from dflash_pipeline.storage.store import Store
 

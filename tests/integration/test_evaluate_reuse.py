@@ -23,7 +23,7 @@ from dflash_pipeline.drafter.export import META, export_drafter, load_drafter
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.train import train
 from dflash_pipeline.errors import ConfigError
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 
 torch.set_num_threads(1)
 TRAIN = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from tests.helpers import config
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_pipeline import stages
 from dflash_pipeline.errors import ValidationFailed
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import config

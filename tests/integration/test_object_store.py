@@ -13,7 +13,7 @@ import torch
 
 from dflash_pipeline.config import load_config
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.shardio import SharedBuffers
 from dflash_pipeline.storage.store import Store
@@ -177,7 +177,7 @@ def _exited_pid() -> int:
 
 
 def test_unreachable_endpoint_fails_fast_and_says_so(s3, tmp_path):
-    from dflash_pipeline.stages import LocalRunner, run_pipeline
+    from dflash_pipeline.order import LocalRunner, run_pipeline
 
     endpoint = f"http://127.0.0.1:{closed_port()}"
     t0 = time.monotonic()

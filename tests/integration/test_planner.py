@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.store import Store
 from tests.helpers import config
 

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline import calibration, planner
-from dflash_pipeline.stages import LocalRunner, resolve_paths, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
+from dflash_pipeline.stages import resolve_paths
 from tests.helpers import config
 
 

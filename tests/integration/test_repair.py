@@ -14,7 +14,7 @@ import pytest
 
 from dflash_pipeline.cli import main as cli
 from dflash_pipeline.errors import StoreError, ValidationFailed
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
 from tests.helpers import assert_same_store, config, snapshot

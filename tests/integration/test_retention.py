@@ -22,7 +22,7 @@ from dflash_pipeline.cli import main as cli
 from dflash_pipeline.drafter.export import load_drafter
 from dflash_pipeline.drafter.retention import schedule, unit_index
 from dflash_pipeline.errors import StoreError
-from dflash_pipeline.stages import LocalRunner, run_pipeline
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage import leases, retention, retention_record
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.snapshot import snapshot as new_snapshot

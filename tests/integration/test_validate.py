@@ -80,7 +80,7 @@ def test_nan_is_caught(small_store, copy):
     _recommit(copy, small_store.plan.version, u)
     r = _validate(small_store, copy)
     assert any("non-finite values" in f and samples[0][0] in f and "layer 3" in f for f in r.failures), r.failures
-    # the record names the unit, for a nightly run to extract it again (core/stages.py heal_failed_versions)
+    # the record names the unit, for a nightly run to extract it again (core/order.py heal_failed_versions)
     (values,) = [c for c in r.to_dict()["checks"] if c["check"].startswith("values finite")]
     assert values["states"] is True and values["units"] == [u]
 

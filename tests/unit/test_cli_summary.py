@@ -4,7 +4,7 @@ repaired run), or nothing."""
 from __future__ import annotations
 
 from dflash_pipeline.cli import summary_lines
-from dflash_pipeline.stages import RunSummary
+from dflash_pipeline.summary import RunSummary
 
 
 def _store_line(**given) -> str:
