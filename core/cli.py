@@ -42,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         preflight(cfg)  # model path, layer ids, output dir: in a second, not after Prefect starts
         api = os.environ.get("PREFECT_API_URL")
         if api:  # a configured server that is down: say so now, not after a long hang
-            from dflash_pipeline.serve import check_api
+            from dflash_pipeline.local_prefect import check_api
 
             check_api(api)
         else:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_pipeline.serve import POOL, LocalPrefect
+from dflash_pipeline.local_prefect import POOL, LocalPrefect
 from tests.proctree import descendants, wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]

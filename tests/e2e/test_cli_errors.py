@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.serve import check_api
+from dflash_pipeline.local_prefect import check_api
 from tests.s3server import closed_port
 
 

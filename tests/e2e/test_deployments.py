@@ -21,7 +21,7 @@ import yaml
 
 from dflash_pipeline.deployments import PREFECT_FILE
 from dflash_pipeline.embedded.build import CONVERSATIONS_MESSAGES
-from dflash_pipeline.serve import STOP_GRACE_S, LocalPrefect, check_api
+from dflash_pipeline.local_prefect import STOP_GRACE_S, LocalPrefect, check_api
 from dflash_pipeline.storage.store import Store
 from dflash_pipeline.tasks.common import artifact_key
 from tests.proctree import descendants, wait_gone

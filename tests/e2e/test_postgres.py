@@ -370,7 +370,7 @@ def test_a_run_without_heartbeats_is_crashed_by_the_zombie_automation(pg_server,
     stays Running (its heartbeats, every HEARTBEAT_S s, keep it alive); frozen (SIGSTOP: no heartbeat, no report,
     what a dead machine looks like to the server), it is set Crashed by the automation within ZOMBIE_WITHIN_S plus
     one heartbeat period and the triggers service's 5 s evaluation, and the deployment's slot is freed."""
-    from dflash_pipeline.serve import HEARTBEAT_S, ZOMBIE_WITHIN_S
+    from dflash_pipeline.local_prefect import HEARTBEAT_S, ZOMBIE_WITHIN_S
 
     lp = pg_server
     run_id = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})

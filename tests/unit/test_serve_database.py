@@ -7,7 +7,8 @@ import socket
 import pytest
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.serve import LocalPrefect, check_database, database_url, redact
+from dflash_pipeline.local_prefect import LocalPrefect
+from dflash_pipeline.prefect_database import check_database, database_url, redact
 
 
 def test_plain_postgres_urls_get_the_async_driver(monkeypatch):
