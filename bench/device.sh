@@ -148,9 +148,12 @@ for step in "$@"; do
       # brings back what it finished (one cut short lost its 12 trained runs' losses before this)
       p=../runs/realtext/precision; cp "$p"/*.json "$p"/*.jsonl /tmp/rt-out/ 2>/dev/null || true
       for m in "$p"/drafter-*/metrics.json; do [[ -e $m ]] && cp "$m" "/tmp/rt-out/metrics-$(basename "$(dirname "$m")").json"; done
+      # the levers' rows and loss histories likewise (RT_LEVERS=1)
+      l=../runs/realtext/levers; cp "$l"/*.json "$l"/*.jsonl /tmp/rt-out/ 2>/dev/null || true
+      for m in "$l"/drafter-*/metrics.json; do [[ -e $m ]] && cp "$m" "/tmp/rt-out/levers-$(basename "$(dirname "$m")").json"; done
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the step, as it once did: rc 1)
-      for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
+      for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 levers_table:14 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
     # Issue 30 in one detached chain (bench/train3_chain.sh: query groups and packing against the defaults, ten minutes
     # of the fastest, the 27B-shape drafter; T3_BUDGET_S: a deadline in seconds from its start);
     # `train3-wait`, run later on the same machine (SKIP_INSTALL=1), waits up to T3_WAIT s and packs /tmp/t3 into

@@ -6,7 +6,9 @@
 #      - the drafter trained RT_TRAIN_MINUTES and evaluated, then the agreement ceiling (agreement.py);
 #      - with RT_PRECISION=1: a store per compact precision and its error, then a drafter per (seed in
 #        RT_PREC_SEEDS, precision), RT_PREC_STEPS steps each, evaluated on RT_PREC_PROMPTS prompts (precision.py;
-#        one process each, all at once, each its own DFLASH_LOCK_DIR: they share the GPU on purpose).
+#        one process each, all at once, each its own DFLASH_LOCK_DIR: they share the GPU on purpose);
+#      - with RT_LEVERS=1: a drafter per (seed in RT_LEVER_SEEDS, variant in RT_LEVER_VARIANTS), as many samples as
+#        RT_LEVER_STEPS baseline steps, side by side in the same way (levers.py).
 # Logs and reports under /tmp/rt; /tmp/rt/done when everything ended. Run from the repository root.
 set -x
 echo $$ > /tmp/rt/pid  # realtext-wait waits on this process (device.sh writes it too)
@@ -60,6 +62,26 @@ if [[ ${RT_PRECISION:-1} == 1 ]]; then
   unset OMP_NUM_THREADS
   python3 bench/realtext/precision.py report "${prec[@]}" > /tmp/rt/precision_table.txt 2>&1
   cp runs/realtext/precision/precision.json /tmp/rt/ || true
+fi
+# RT_LEVERS=1: the recipe's levers one at a time (bench/realtext/levers.py), one process per (seed, variant), side by
+# side like the precision runs; the store needs the target's last hidden state for `distill`, so the chain's first
+# run takes RT_SET="--set layers.capture_last=true"
+if [[ ${RT_LEVERS:-0} == 1 ]]; then
+  lv=(--out runs/realtext/levers $samples --set "evaluate.num_prompts=${RT_PREC_PROMPTS:-30}" ${RT_LEVER_ARGS:-})
+  export OMP_NUM_THREADS=${RT_PREC_THREADS:-2}
+  pids=()
+  for s in ${RT_LEVER_SEEDS:-0 1 2}; do
+    for v in ${RT_LEVER_VARIANTS:-baseline dpace muon distill}; do
+      DFLASH_LOCK_DIR=/tmp/rt-locks-lv-$s-$v python3 bench/realtext/levers.py train "${lv[@]}" --variants $v \
+        --set regenerate.enabled=false --seed $s --steps "${RT_LEVER_STEPS:-2000}" \
+        > /tmp/rt/levers_seed${s}_${v}_log.txt 2>&1 &
+      pids+=($!)
+    done
+  done
+  wait "${pids[@]}"
+  unset OMP_NUM_THREADS
+  python3 bench/realtext/levers.py report "${lv[@]}" > /tmp/rt/levers_table.txt 2>&1
+  cp runs/realtext/levers/levers.json /tmp/rt/ || true
 fi
 wait $main
 touch /tmp/rt/done
