@@ -146,3 +146,29 @@ def test_a_bench_appends_its_record_and_a_rerun_replaces_it(rates, tmp_path):
     recs = cost.load_rates(path)
     assert len(recs) == 1 and recs[0]["command"] == "again" and recs[0]["stage"] == "train"
     assert rates.record_file(tmp_path / "missing.json", path=path) == []  # never fails the bench
+
+
+def test_the_plan_artifact_shows_the_cost_as_a_table(rates, records):
+    """The preflight task publishes StoreEstimate.to_markdown: the cost rows become a markdown table under their
+    heading, the basis lines stay list items."""
+    import dataclasses
+
+    from dflash_pipeline.planner import StoreEstimate
+
+    work, gpu = _work(rates, records, "8B shape", gpus=2)
+    lines = cost.table_lines([cost.estimate(records, work, k) for k in cost.kinds(records)])
+    missing = dataclasses.MISSING
+    need = {
+        f.name: None
+        for f in dataclasses.fields(StoreEstimate)
+        if f.default is missing and f.default_factory is missing  # type: ignore[misc]
+    }
+    est = StoreEstimate(**{**need, "dropped": {}, "layers": [1], "samples": 1, "tokens": 1, "supervised_tokens": 1,
+                           "rows_read": 1, "quarantined": 0, "hidden_size": 8, "raw_bf16_bytes_per_token": 16,
+                           "bytes_per_token": 8.0, "units": 1, "store_bytes": 8, "fits": True, "needed_bytes": 0,
+                           "free_bytes": None, "free_source": "-", "gpu_source": "-", "metadata_bytes_per_sample": 0,
+                           "already_committed_tokens": 0},
+                        cost_lines=lines)  # fmt: skip
+    md = est.to_markdown()
+    assert "- GPU cost of the recipe" in md and "\n| H100 80GB |" in md and "\n| H200 |" in md
+    assert "- cost scaling: training on 2 GPUs (data-parallel, torchrun): linear scaling ASSUMED" in md
