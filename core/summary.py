@@ -50,3 +50,20 @@ class RunSummary:
             self.validation = "FAIL"
         if self.current is None:
             self.current = self.previous_current
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopReport:
+    """How a run that did not finish ended: its final state (Cancelled, Crashed), the stage it was in, why in words
+    ("cancelled by the user", "serve was stopped", "the worker process died ..."), where it stopped (the last
+    checkpoint, the commit records) and what resumes it. The run-summary artifact is headed with it, the flow run's
+    final state and its last log line say it."""
+
+    state: str
+    stage: str
+    cause: str
+    where: str
+    resume: str
+
+    def line(self) -> str:
+        return f"{self.state} at {self.stage}: {self.cause}. Stopped at {self.where}. Resume: {self.resume}"

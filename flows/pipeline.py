@@ -27,8 +27,8 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact
-from prefect.exceptions import TerminationSignal
-from prefect.states import Cancelled
+from prefect.exceptions import CancelledRun, CrashedRun
+from prefect.states import State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from dflash_pipeline import order, stages
@@ -39,8 +39,18 @@ from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.runguard import quiet_user_errors, raise_if_stopped, stop_asked, stops_remembered
 from dflash_pipeline.storage.store import PlanResult
-from dflash_pipeline.summary import RunSummary
-from dflash_pipeline.tasks.common import artifact_key, artifacts_of_store, run_logger
+from dflash_pipeline.summary import RunSummary, StopReport
+from dflash_pipeline.tasks.common import (
+    IntendedStopLines,
+    Stop,
+    artifact_key,
+    artifacts_of_store,
+    finalize_orphans,
+    finalize_task_runs,
+    quiet_intended_stops,
+    run_logger,
+    stop_of,
+)
 from dflash_pipeline.tasks.drafter import evaluate_task, regenerate_task, train_task
 from dflash_pipeline.tasks.extract import extract_worker_task, plan_task, publish_run_summary, publish_throughput
 from dflash_pipeline.tasks.preflight import estimate_task
@@ -81,19 +91,6 @@ def config_digest(config_path: str | None, preset: dict | None, overrides: dict 
         return hashlib.sha256(raw.encode()).hexdigest()[:8]
 
 
-def _cancelling() -> bool:
-    """Whether this flow run is being cancelled, as the server says."""
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
-
-    try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run.id).state
-    except Exception:  # noqa: BLE001 - no server to ask: a plain termination
-        return False
-    return bool(state and (state.is_cancelling() or state.is_cancelled()))
-
-
 def _run_name() -> str:
     """What and when: `<deployment or cli> <UTC date time> <model> <- <data> cfg <digest>`."""
     from prefect.runtime import deployment, flow_run
@@ -126,6 +123,8 @@ def dflash_pipeline(
     from prefect.runtime import deployment
 
     quiet_user_errors()
+    quiet_intended_stops()
+    IntendedStopLines.active = False
     who = f"the {deployment.name} deployment" if deployment.name else "the preset"
     cfg = load_config(config_path, compose_overrides(preset, overrides, who))
     procs.allow_workers()
@@ -134,25 +133,30 @@ def dflash_pipeline(
     runner = PrefectRunner()
     try:
         with stops_remembered(), artifacts_of_store(where.store):
+            _settle_orphans()
             summary = order.run_pipeline(cfg, runner, summary)
             raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
+        stop = stop_of(e)
+        if stop is not None and stop.state == "Cancelled":
+            IntendedStopLines.active = True  # a stop someone asked for: no ERROR line or traceback in the UI
         stopped = procs.stop_workers()
         if stopped:  # a stop's own message says so (the CLI prints it): then a line for the UI only
-            level = logging.INFO if isinstance(e, (KeyboardInterrupt, TerminationSignal)) else logging.WARNING
+            level = logging.INFO if stop is not None else logging.WARNING
             run_logger().log(level, "stopped extraction workers %s (%s)", stopped, type(e).__name__)
-        _publish_failure(summary, runner.stage, e)
-        if isinstance(e, TerminationSignal) and _cancelling():
-            # The worker's SIGTERM of a cancelled run (UI, `prefect flow-run cancel`): end as Cancelled, not as a
-            # crash. Nothing is retried; a new run resumes from the store's commit records and the last checkpoint.
-            return Cancelled(message="cancelled: stopped at a commit / checkpoint; a new run resumes from there")
-        said = stop_asked()
-        if said is not None:  # the CLI's Ctrl-C, SIGTERM or SIGHUP: a stop asked for, as a cancel is, not a crash
-            return Cancelled(
-                message=f"`dflash-pipeline run` stopped ({said or 'Ctrl-C'}) at a commit / checkpoint; running the "
-                "same command again resumes from there"
-            )
-        raise
+        if stop is None:  # a failure: the run fails with its error, as before
+            _publish_failure(summary, runner.stage, e)
+            _finalize_tasks(Stop("Failed", f"the run failed in {runner.stage}"), f"the run failed: {_why(e)}")
+            raise
+        report = _stop_report(cfg, stop, runner.stage)
+        summary.record_failure(e)
+        try:
+            publish_run_summary(summary, stop=report)
+        except Exception as err:  # noqa: BLE001 - no API any more: the stop itself is what matters
+            run_logger().warning("could not publish the stopped run's summary: %s", err)
+        _finalize_tasks(stop, report.line())
+        run_logger().info(report.line())  # the run's last word: where it stopped, what resumes it
+        return stop.prefect_state(report.line())
     run_logger().info("pipeline done: %s", summary.to_dict())
     try:  # one per run, at its end (a failed run's: _publish_failure); an API hiccup here fails no finished run
         publish_run_summary(summary)
@@ -161,15 +165,71 @@ def dflash_pipeline(
     return summary
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def _publish_failure(summary: RunSummary, stage: str | None, e: BaseException) -> None:
-    """The run-summary artifact of a failed (or stopped) run: what was done, which stage failed and why. A failed
-    night published none before. Never hides the run's own error."""
-    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    """The run-summary artifact of a failed run: what was done, which stage failed and why. A failed night published
+    none before. Never hides the run's own error."""
     summary.record_failure(e)
     try:
-        publish_run_summary(summary, f"{stage or 'before the first stage'}: {why}")
+        publish_run_summary(summary, f"{stage or 'before the first stage'}: {_why(e)}")
     except Exception as err:  # noqa: BLE001 - no API any more (a stop): the run's error is what matters
         run_logger().warning("could not publish the failed run's summary: %s", err)
+
+
+def _stop_report(cfg: RunConfig, stop: Stop, stage: str | None) -> StopReport:
+    """Where a stopped run stopped and what resumes it, for its summary, its final state and its last log line."""
+    from prefect.runtime import deployment, flow_run
+
+    stage = stage or "the start (before the first stage)"
+    where = "the store's commit records (every committed unit is kept)"
+    if "train" in stage:
+        try:
+            from dflash_pipeline.drafter.checkpoint import latest_checkpoint
+
+            ck = latest_checkpoint(cfg.drafter_dir)
+        except Exception:  # noqa: BLE001 - a summary never fails the stop
+            ck = None
+        where = (
+            f"checkpoint {ck.name} ({ck})" if ck is not None else "no checkpoint yet: training starts again at step 0"
+        )
+    if stop_asked() is not None:
+        resume = "run the same `dflash-pipeline run` command again"
+    elif deployment.name:
+        overrides = (flow_run.parameters or {}).get("overrides")
+        given = f" -p overrides='{json.dumps(overrides)}'" if overrides else ""
+        resume = (
+            f"`prefect deployment run 'dflash-pipeline/{deployment.name}'{given}` (or Run in the UI with the same "
+            "parameters): it resumes from there"
+        )
+        if deployment.name == "nightly":
+            resume += "; the next night does so too"
+    else:
+        resume = "run the flow again with the same parameters: it resumes from there"
+    return StopReport(state=stop.state, stage=stage, cause=stop.cause, where=where, resume=resume)
+
+
+def _finalize_tasks(stop: Stop, message: str) -> None:
+    """Every task run of this flow run the API still shows unfinished ends now, in the stop's state (issue 50)."""
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    try:
+        finalize_task_runs(flow_run.id, stop, message)
+    except Exception as err:  # noqa: BLE001 - no API any more: the parent side settles them (serve, the next run)
+        run_logger().warning("could not set this run's unfinished task runs %s: %s", stop.state, err)
+
+
+def _settle_orphans() -> None:
+    """At a run's start: task runs that ended flow runs left unfinished (their process was killed) end now."""
+    try:
+        for name in finalize_orphans():
+            run_logger().info("task run %s was left unfinished by its ended flow run: set final", name)
+    except Exception as err:  # noqa: BLE001 - never fails the run
+        run_logger().debug("could not settle task runs of ended flow runs: %s", err)
 
 
 def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,6 +240,8 @@ def _stage(task: Callable[..., Any]) -> Callable[..., Any]:
         raise_if_stopped()
         self.stage = task.name
         result = task(*args, **kwargs)
+        if isinstance(result, State):  # a stop ended the task (tasks/common.ends_stopped): the run stops too
+            raise (CancelledRun if result.is_cancelled() else CrashedRun)(result.message or result.name)
         self.stage = f"after {task.name}"  # an error between tasks (a store lock, no published version) is not its
         return result
 

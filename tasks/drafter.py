@@ -20,7 +20,7 @@ from dflash_pipeline.drafter.evaluate import AcceptanceReport
 from dflash_pipeline.drafter.regenerate import RegenerateResult, RegenProgress
 from dflash_pipeline.drafter.train import TrainResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.tasks.common import artifact_key, percent, retry_unless_user_error, run_logger
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, percent, retry_unless_user_error, run_logger
 
 
 @task(
@@ -30,6 +30,7 @@ from dflash_pipeline.tasks.common import artifact_key, percent, retry_unless_use
     retries=2,
     retry_condition_fn=retry_unless_user_error,
 )
+@ends_stopped
 def regenerate_task(cfg: RunConfig, report: ProbeReport) -> RegenerateResult:
     """Rewrite the assistant turns with the target itself (resumable: a retry continues the file)."""
     artifact_id = create_progress_artifact(
@@ -74,6 +75,7 @@ Output tokens per regenerated turn: {lengths}. Turns with reasoning: {r.reasonin
     retries=1,
     retry_condition_fn=retry_unless_user_error,
 )
+@ends_stopped
 def train_task(cfg: RunConfig, report: ProbeReport, version: str) -> TrainResult:
     """One process on CPU or one GPU; torchrun over every GPU otherwise. Resumes from the last checkpoint."""
     log = run_logger()
@@ -127,6 +129,7 @@ def _publish_training(r: TrainResult) -> None:
 
 
 @task(name="evaluate-drafter", task_run_name="acceptance on held-out prompts", cache_policy=NO_CACHE)
+@ends_stopped
 def evaluate_task(cfg: RunConfig, report: ProbeReport, export_dir: str) -> AcceptanceReport:
     """Acceptance (overall, per draft position, per evaluate.slice_by slice), reusing what was measured before
     with the same key; publishes the tables and the plot."""

@@ -20,11 +20,12 @@ from dflash_pipeline.extraction.extract import Progress, WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.spec import WorkerSpec
 from dflash_pipeline.storage.store import PlanResult
-from dflash_pipeline.summary import RunSummary
-from dflash_pipeline.tasks.common import artifact_key, percent, retry_unless_user_error, run_logger
+from dflash_pipeline.summary import RunSummary, StopReport
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, percent, retry_unless_user_error, run_logger
 
 
 @task(name="plan-extraction", task_run_name="plan store units", cache_policy=NO_CACHE)
+@ends_stopped
 def plan_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult) -> PlanResult:
     plan = stages.plan(cfg, report, prepared)
     run_logger().info(
@@ -52,6 +53,7 @@ def _worker_name() -> str:
     retry_condition_fn=retry_unless_user_error,
     retry_delay_seconds=5,
 )
+@ends_stopped
 def extract_worker_task(spec: WorkerSpec) -> WorkerResult:
     """Runs on one device (in its own process by default); a retry resumes from the units' commit records."""
     log = run_logger()
@@ -115,8 +117,10 @@ def publish_throughput(results: list[WorkerResult], store_path: str) -> None:
     )
 
 
-def run_summary_markdown(summary: RunSummary, failure: str | None = None) -> str:
-    """The run-summary artifact's text: what the run did, and for a failed run which stage failed and why."""
+def run_summary_markdown(summary: RunSummary, failure: str | None = None, stop: StopReport | None = None) -> str:
+    """The run-summary artifact's text: what the run did; for a failed run which stage failed and why; for a stopped
+    one (cancelled, crashed) its state and stage in the title, the cause in words, where it stopped and what
+    resumes it."""
     s = summary
     promoted = s.current == s.version != s.previous_current
     rows = [
@@ -137,18 +141,31 @@ def run_summary_markdown(summary: RunSummary, failure: str | None = None) -> str
     if s.acceptance_length is not None:
         rows += [("acceptance length", s.acceptance_length), ("untrained drafter", s.untrained_acceptance_length)]
     title = "# Run summary"
-    if failure is not None:
-        title = "# Run summary: FAILED"
+    if stop is not None:
+        title = f"# Run summary: {stop.state.upper()} at {stop.stage}"
+        said = [
+            ("outcome", f"**{stop.state.lower()}**: {stop.cause}"),
+            ("stopped at", stop.where),
+            ("resume", stop.resume),
+        ]
+        rows = [(k, v.replace("|", "\\|").replace("\n", " ")) for k, v in said] + rows
+    elif failure is not None:
+        title = f"# Run summary: FAILED at {failure.split(': ', 1)[0]}"
         rows = [("outcome", f"**failed**: {failure}".replace("|", "\\|").replace("\n", " "))] + rows
     table = "\n".join(f"| {k} | {v if v is not None else '-'} |" for k, v in rows)
     return f"{title}\n\n| item | value |\n| --- | --- |\n{table}\n"
 
 
-def publish_run_summary(summary: RunSummary, failure: str | None = None) -> None:
+def publish_run_summary(summary: RunSummary, failure: str | None = None, stop: StopReport | None = None) -> None:
     """What this run added to the store, for the UI (the nightly run's report); `failure` ("<stage>: <error>")
-    for a run that failed, so a failed night says what it did and where it stopped."""
+    for a run that failed, so a failed night says what it did and where it stopped; `stop` for a run that was
+    stopped (cancelled, crashed)."""
+    if stop is not None:
+        description = stop.line()[:250]
+    else:
+        description = "what this run added" if failure is None else "FAILED: " + failure[:200]
     create_markdown_artifact(
         key=artifact_key("run-summary", store=summary.store),
-        description="what this run added" if failure is None else "FAILED: " + failure[:200],
-        markdown=run_summary_markdown(summary, failure),
+        description=description,
+        markdown=run_summary_markdown(summary, failure, stop),
     )

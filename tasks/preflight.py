@@ -10,10 +10,11 @@ from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.tasks.common import artifact_key, run_logger
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, run_logger
 
 
 @task(name="preflight-plan", task_run_name="plan store size and GPU-hours", cache_policy=NO_CACHE)
+@ends_stopped
 def estimate_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult):
     est = stages.estimate(cfg, report, prepared)
     create_markdown_artifact(

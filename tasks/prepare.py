@@ -10,10 +10,11 @@ from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult, load_quarantine
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.tasks.common import artifact_key, run_logger
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, run_logger
 
 
 @task(name="prepare-dataset", task_run_name="prepare {cfg.data.source}", cache_policy=NO_CACHE)
+@ends_stopped
 def prepare_task(cfg: RunConfig, report: ProbeReport) -> PrepareResult:
     log = run_logger()
     res = stages.prepare(cfg, report, progress=lambda n, rate: log.info("prepare: %d rows read (%.0f rows/s)", n, rate))

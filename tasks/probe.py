@@ -11,10 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.extraction.probe import ProbeReport, save_report
-from dflash_pipeline.tasks.common import artifact_key, run_logger
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, run_logger
 
 
 @task(name="probe-compatibility", task_run_name="probe {cfg.target.model_path}", cache_policy=NO_CACHE)
+@ends_stopped
 def probe_task(cfg: RunConfig) -> ProbeReport:
     report = stages.probe(cfg)
     out = Path(cfg.output_dir)

@@ -9,10 +9,11 @@ from prefect.cache_policies import NO_CACHE
 
 from dflash_pipeline import stages
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.tasks.common import artifact_key, run_logger
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped, run_logger
 
 
 @task(name="store-retention", task_run_name="retention {cfg.retention.mode} of {version}", cache_policy=NO_CACHE)
+@ends_stopped
 def retain_task(cfg: RunConfig, version: str, export_dir: str | None):
     """Never retried: a deletion that cannot happen now waits in a request file for the next run."""
     result = stages.retain(cfg, version, export_dir)

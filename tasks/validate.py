@@ -11,10 +11,11 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataprep.prepare import PrepareResult
 from dflash_pipeline.extraction.probe import ProbeReport
 from dflash_pipeline.extraction.validate import ValidationReport, raise_if_failed
-from dflash_pipeline.tasks.common import artifact_key
+from dflash_pipeline.tasks.common import artifact_key, ends_stopped
 
 
 @task(name="validate-store", task_run_name="validate {version}", cache_policy=NO_CACHE, retries=0)
+@ends_stopped
 def validate_task(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, version: str) -> ValidationReport:
     result = stages.validate(cfg, report, prepared, version)
     create_markdown_artifact(
