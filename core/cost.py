@@ -223,6 +223,8 @@ class Work:
     gpus: int = 1
     shape_name: str = ""
     flops_bound: bool | None = None  # None: params_per_token >= SMALL_TARGET (the planner passes its own verdict)
+    checkpoint_every: int = 0  # train.checkpoint_every (0: none during training)
+    disk_bytes_per_s: float | None = None  # the output disk's measured write speed (plan.write_test_mib)
     per_sample: dict | None = None  # sample_work of the data, when its lengths are known
 
     def __post_init__(self):
@@ -236,6 +238,12 @@ class Work:
         steps = math.ceil(self.samples / per_step) * self.epochs
         share = min(1.0, self.max_steps / steps) if self.max_steps and steps else 1.0
         return self.tokens * self.epochs * share
+
+    @property
+    def train_steps(self) -> float:
+        per_step = max(self.batch_size * self.grad_accum * self.gpus, 1)
+        steps = math.ceil(self.samples / per_step) * self.epochs
+        return min(steps, self.max_steps) if self.max_steps else steps
 
     @property
     def train_fpt(self) -> float:
@@ -355,6 +363,33 @@ def _overhead(records: list[dict], stage: str, work: Work, rec: dict, exclude: t
     return statistics.median(values), how + ("" if same else f", scaled by {what} from other shapes") + ")"
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weights and AdamW's two moments (drafter/checkpoint.py)
+
+
+def _checkpoints(rec: dict, work: Work) -> tuple[float, str]:
+    """(seconds, what) of the checkpoints written every train.checkpoint_every steps: each the drafter's fp32
+    weights and AdamW moments, at the output disk's measured write speed. A record whose run wrote them at the same
+    interval has them in its rate; without a measured disk speed they are named, not counted."""
+    every = work.checkpoint_every
+    if not every or work.train_steps < every:
+        return 0.0, ""
+    if (rec.get("settings") or {}).get("checkpoint_every") == every:
+        return 0.0, f"its checkpoints every {every} steps are in the measured rate"
+    n = int(work.train_steps // every)
+    size = drafter_params(work.drafter) * CHECKPOINT_BYTES_PER_PARAM
+    if not work.disk_bytes_per_s:
+        return 0.0, (
+            f"{n:,} checkpoints of {size / 1e9:,.1f} GB (every {every} steps) NOT counted: the disk's write speed is "
+            "not measured (plan.write_test_mib measures it)"
+        )
+    secs = n * size / work.disk_bytes_per_s
+    return secs, (
+        f"{n:,} checkpoints of {size / 1e9:,.1f} GB (every {every} steps) at the disk's measured "
+        f"{work.disk_bytes_per_s / 1e6:,.0f} MB/s: {secs:,.0f} s, an upper bound (unsynced, the page cache takes "
+        "part of each write; not measured on the GPU)"
+    )
+
+
 def _efficiency(records: list[dict], stage: str, gpus: int, exclude: tuple[str, ...]) -> tuple[float, str]:
     if gpus <= 1:
         return 1.0, ""
@@ -438,6 +473,11 @@ def stage_cost(records: list[dict], stage: str, work: Work, gpu: str, exclude: t
         fixed, fixed_how = _overhead(records, kind, work, rec, exclude)
     elif rec.get("overhead_s"):
         fixed, fixed_how = float(rec["overhead_s"]), f"{float(rec['overhead_s']):.0f} s fixed (that run's)"
+    if stage == "train":
+        ckpt_s, how = _checkpoints(rec, work)
+        fixed += ckpt_s
+        if how:
+            notes.append(how)
     n = max(work.gpus, 1)
     eff, scaling = _efficiency(records, kind, n, exclude) if stage in ("extract", "train") else (1.0, "")
     if n > 1 and stage not in ("extract", "train"):

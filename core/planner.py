@@ -164,7 +164,14 @@ def _gpus(cfg: RunConfig, report: ProbeReport) -> tuple[int, str]:
     return max(n, 1), ("the GPU workers extract.devices gives here" if n else "no GPU here; plan.gpus=N plans for N")
 
 
-def work_of(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, committed: int, gpus: int) -> cost.Work:
+def work_of(
+    cfg: RunConfig,
+    report: ProbeReport,
+    prepared: PrepareResult,
+    committed: int,
+    gpus: int,
+    disk_bytes_per_s: float | None = None,
+) -> cost.Work:
     """What the run does, in the amounts core/cost.py prices: tokens left to extract, tokens x epochs trained (the
     packing and batch of train.*), conversations regenerated, prompts evaluated."""
     t, k = _text_config(report), len(report.layer_ids)
@@ -191,6 +198,8 @@ def work_of(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, commit
         gpus=gpus,
         flops_bound=_target(report)["params_per_token"] >= SMALL_TARGET,
         per_sample=_sample_work(prepared, tc.anchors_per_sample, tc.block_size),
+        checkpoint_every=tc.checkpoint_every,
+        disk_bytes_per_s=disk_bytes_per_s,
     )
 
 
@@ -319,14 +328,25 @@ def estimate(cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, logic
     )
     _gpu_cost(est, cfg, report, prepared, committed)
     est.disk_advice, est.disk_lines = disk_check(cfg, report, est, logical)
+    written = ((est.disk_advice or {}).get("write_test") or {}).get("bytes_per_s")
+    if written:  # the disk's measured speed prices the drafter's checkpoints too
+        _gpu_cost(est, cfg, report, prepared, committed, written)
     return est
 
 
-def _gpu_cost(est: StoreEstimate, cfg: RunConfig, report: ProbeReport, prepared: PrepareResult, committed: int):
-    """The recipe's GPU-hours per GPU kind (core/cost.py), and the plan's older GPU line for plan.gpu from them."""
+def _gpu_cost(
+    est: StoreEstimate,
+    cfg: RunConfig,
+    report: ProbeReport,
+    prepared: PrepareResult,
+    committed: int,
+    disk_bytes_per_s: float | None = None,
+):
+    """The recipe's GPU-hours per GPU kind (core/cost.py), and the plan's older GPU line for plan.gpu from them;
+    disk_bytes_per_s: the output disk's measured write speed (the drafter's checkpoints)."""
     records = cost.load_rates()
     est.gpus, how = _gpus(cfg, report)
-    work = work_of(cfg, report, prepared, committed, est.gpus)
+    work = work_of(cfg, report, prepared, committed, est.gpus, disk_bytes_per_s)
     kind = cost.gpu_kind(est.gpu)
     if est.gpu and kind not in {r.get("gpu") for r in records} and cost.peak(kind) is None:
         est.gpu_source += f"; no recorded rate or bf16 peak for {est.gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"

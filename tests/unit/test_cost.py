@@ -172,3 +172,24 @@ def test_the_plan_artifact_shows_the_cost_as_a_table(rates, records):
     md = est.to_markdown()
     assert "- GPU cost of the recipe" in md and "\n| H100 80GB |" in md and "\n| H200 |" in md
     assert "- cost scaling: training on 2 GPUs (data-parallel, torchrun): linear scaling ASSUMED" in md
+
+
+def test_the_drafters_checkpoints_are_counted_at_the_measured_disk_speed_or_named(rates, records):
+    """train.checkpoint_every: each checkpoint the drafter's fp32 weights and AdamW moments; counted at the disk's
+    measured write speed (plan.write_test_mib), else named as not counted; a record whose run wrote checkpoints at
+    the same interval has them in its rate (the real-text run: every 250 steps)."""
+    work, gpu = _work(rates, records, "8B shape", checkpoint_every=200)
+    base = next(
+        s for s in cost.estimate(records, _work(rates, records, "8B shape")[0], gpu).stages if s.stage == "train"
+    )
+    named = next(s for s in cost.estimate(records, work, gpu).stages if s.stage == "train")
+    assert "NOT counted" in named.basis and named.wall_s == pytest.approx(base.wall_s)
+    work.disk_bytes_per_s = 1e9
+    counted = next(s for s in cost.estimate(records, work, gpu).stages if s.stage == "train")
+    n = work.train_steps // 200
+    size = cost.drafter_params(work.drafter) * 12
+    assert counted.wall_s == pytest.approx(base.wall_s + n * size / 1e9)
+    assert "at the disk's measured 1,000 MB/s" in counted.basis and "upper bound" in counted.basis
+    rt, gpu = _work(rates, records, "real-text benchmark", checkpoint_every=250, disk_bytes_per_s=1e9)
+    train = next(s for s in cost.estimate(records, rt, gpu).stages if s.stage == "train")
+    assert "checkpoints every 250 steps are in the measured rate" in train.basis
