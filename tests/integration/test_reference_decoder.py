@@ -20,24 +20,33 @@ SKIP = "z-lab's dflash 0.1.0 is not installed (pip install --no-deps dflash==0.1
 EVAL = {"num_prompts": 8, "max_new_tokens": 24, "device": "cpu", "baseline": "off"}
 
 
+TRAIN = {
+    "block_size": 6, "num_draft_layers": 1, "batch_size": 4, "epochs": 17, "lr": 5e-3, "warmup_ratio": 0.1,
+    "anchors_per_sample": 48, "checkpoint_every": 1000, "num_workers": 0, "device": "cpu",
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def trained(model_dir, tmp_path_factory):
-    """A tiny drafter (1 layer, block 6) trained for 150 steps on a validated store of the embedded target."""
-    from dflash_pipeline.drafter.train import train
+def store(model_dir, tmp_path_factory):
+    """A validated store of the embedded target: 24 samples, layers [1, 3, 5]."""
     from tests.helpers import extract_local
 
     root = tmp_path_factory.mktemp("reference_decoder")
-    ex = extract_local(
-        root,
-        {"data.max_samples": 40, "layers.preset": "explicit", "layers.ids": [1, 3, 5], "validate.recompute_samples": 1},
-        validate=True,
-    )
-    cfg = TrainConfig(
-        block_size=6, num_draft_layers=1, batch_size=4, epochs=15, lr=3e-3, warmup_ratio=0.1,
-        anchors_per_sample=48, checkpoint_every=1000, num_workers=0, device="cpu",
-    )  # fmt: skip
-    result = train(cfg, ex.store, ex.report, root / "drafter")
-    return {"export": result.export_dir, "report": ex.report, "root": root}
+    over = {"data.max_samples": 24, "layers.preset": "explicit", "layers.ids": [1, 3, 5]}
+    over["validate.recompute_samples"] = 1
+    return extract_local(root, over, validate=True)
+
+
+def _train(store, out, **settings) -> str:
+    from dflash_pipeline.drafter.train import train
+
+    return train(TrainConfig(**{**TRAIN, **settings}), store.store, store.report, out).export_dir
+
+
+@pytest.fixture(scope="module")
+def trained(store, tmp_path_factory):
+    """A tiny drafter (1 layer, block 6) trained for 102 steps."""
+    return {"export": _train(store, tmp_path_factory.mktemp("drafter")), "report": store.report}
 
 
 def _agree(rep) -> None:
@@ -71,11 +80,22 @@ def test_trained_drafter_ours_and_reference_agree(trained):
     assert "by z-lab's reference decoder" in only.reuse_line()
 
 
+def test_sliding_window_drafter_ours_and_reference_agree(store, tmp_path):
+    """A drafter whose layer is a sliding-window one (window 3 < block 6: causal inside the block, as z-lab's
+    layer_types mean it): the two decoders read the export's layer_types and window alike."""
+    pytest.importorskip("dflash.model", reason=SKIP)
+    export = _train(store, tmp_path / "drafter", sliding_window=3, epochs=12)
+    rep = evaluate_export(export, store.report, EvalConfig(decoder="both", **EVAL))
+    _agree(rep)
+    assert rep.acceptance_length > 1.1
+
+
 def test_untrained_drafter_ours_and_reference_agree(trained, tmp_path):
     pytest.importorskip("dflash.model", reason=SKIP)
     torch.manual_seed(0)
     export = export_drafter(DFlashDrafter(spec_of_export(trained["export"])), tmp_path / "export", dtype=torch.float32)
-    _agree(evaluate_export(str(export), trained["report"], EvalConfig(decoder="both", **EVAL)))
+    cfg = EvalConfig(decoder="both", **{**EVAL, "max_new_tokens": 12})
+    _agree(evaluate_export(str(export), trained["report"], cfg))
 
 
 def test_reference_without_the_package(trained, monkeypatch):
