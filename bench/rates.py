@@ -268,7 +268,7 @@ def from_pipeline_report(path: Path, d: dict) -> list[dict]:
     base = {"shape_name": "real-text", "target": target, "gpu": gpu, "gpus": 1, "precision": "bf16 target",
             "date": date, "command": cmd, "raw": _rel(path)}  # fmt: skip
     # RT_PRECISION runs beside the train stage on the same GPU in the chain of this run (bench/realtext/chain.sh):
-    # its train and evaluate stages shared the GPU (bench/RESULTS.md, session 13: 25% slower)
+    # its train and evaluate stages shared the GPU (bench/RESULTS.md, 2026-12-03: 25% slower)
     shared = "s13" in path.name
     out = []
     convs = s.get("new_samples") or 0
