@@ -172,7 +172,7 @@ class AcceptanceReport:
     def to_markdown(self, title: str = "Drafter acceptance", plot_uri: str | None = None) -> str:
         rates = " | ".join(f"{r:.2f}" for r in self.position_accept_rate)
         heads = " | ".join(str(k) for k in range(1, len(self.position_accept_rate) + 1))
-        decoded = " (z-lab's reference decoder, dflash)" if self.decoder == "reference" else ""
+        decoded = {"reference": " (z-lab's reference decoder, dflash)", "both": " (our decoder)"}.get(self.decoder, "")
         md = (
             f"# {title}\n\n**Acceptance length: {self.acceptance_length:.3f}** tokens per target step{decoded} "
             f"(greedy; block size {self.block_size}; range 1..{self.block_size})\n\n"
