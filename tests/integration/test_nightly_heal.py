@@ -165,3 +165,22 @@ def test_without_the_prepared_dataset_it_was_made_from_the_unit_is_dropped_and_i
     assert sixth.validation == "PASS" and sixth.current == "v0003" and sixth.forward_passes == 0
     assert {v: _files(n.root, v) for v in ("v0001", "v0002")} == before
     assert [s.split(":")[0] for s in n.served][3:] == ["refused", "served v0003", "served v0003"], n.served
+
+
+def test_a_unit_nothing_can_rebuild_is_dropped_by_the_next_night_not_every_night(model_dir, tmp_path):
+    """The published version's first unit lost its plan record and its attributes were edited (nothing records which
+    samples it held): a nightly run drops the unit from the new version and extracts its rows again, where every night
+    stopped saying to delete it by hand. CURRENT's own files are never changed."""
+    n = Nights(tmp_path)
+    n.write(n.rows[:10])
+    assert n.night().current == "v0001"
+    (n.root / "v0001/plans/u00000.json").unlink()
+    attrs = n.root / "v0001/units/u00000/zarr.json"
+    attrs.write_text(attrs.read_text().replace('"planned": true', '"planned": true, "edited": 1'))
+    before = _files(n.root, "v0001")
+    n.write(n.rows[:12])
+    second = n.night()
+    assert second.validation == "PASS" and second.current == "v0002"
+    assert len(HiddenStateDataset(n.root)) == 12 and _files(n.root, "v0001") == before
+    repairs = json.loads((n.root / "v0002/repairs.json").read_text())
+    assert [r["unit"] for r in repairs] == ["u00000"] and repairs[0]["why"].startswith("dropped:")
