@@ -242,6 +242,28 @@ def _supervised_share(report_path: Path) -> float | None:
     return None
 
 
+def _steady_train_rate(report_path: Path, run: dict, warm_s: float = 30.0) -> float | None:
+    """Tokens/s of a real-text run's training after its first warm_s seconds, from its log's progress lines
+    ("[hh:mm:ss +Ns] train step K/TOTAL ...", one every 100 steps) and its tokens per step (the report's). The log is
+    the one beside the report whose progress lines are this run's (same total, its last step)."""
+    import re
+
+    stem = _stem(report_path).replace("realtext_", "")
+    for log in sorted(report_path.parent.glob(f"{stem}*log*.txt")):
+        text = log.read_text(errors="replace")
+        start = re.search(r"\+(\d+)s\] stage train \.\.\.", text)
+        pts = [(int(m[1]), int(m[2]), int(m[3])) for m in re.finditer(r"\+(\d+)s\] train step (\d+)/(\d+)", text)]
+        if not start or not pts or pts[-1][2] != run.get("total_steps") or pts[-1][1] < run["steps"] - 100:
+            continue
+        window = [(t, k) for t, k, _ in pts if t - int(start[1]) >= warm_s]
+        if len(window) < 2 or window[-1][0] - window[0][0] < 60:
+            return None
+        (t1, k1), (t2, k2) = window[0], window[-1]
+        per_step = run["tokens_per_s"] * run["elapsed_s"] / run["steps"]
+        return (k2 - k1) / (t2 - t1) * per_step
+    return None
+
+
 def _stem(report_path: Path) -> str:
     """'2026-12-03_s13_store_report.json' -> '2026-12-03_s13_' (the run's other files share it)."""
     name = report_path.name
@@ -295,6 +317,7 @@ def from_pipeline_report(path: Path, d: dict) -> list[dict]:
     if run.get("tokens_per_s") and t.get("train") and tok and s.get("new_samples") and sup:
         n = s["new_samples"]
         amount = run["tokens_per_s"] * run["elapsed_s"]
+        steady = _steady_train_rate(path, run)
         out.append(
             {
                 **base,
@@ -311,14 +334,16 @@ def from_pipeline_report(path: Path, d: dict) -> list[dict]:
                     "batch_size": int(tc.get("batch_size", 1)),
                     "checkpoint_every": tc.get("checkpoint_every"),
                 },  # fmt: skip
-                # the whole run's average (its history keeps no steady window): checkpoints included
-                "rate": run["tokens_per_s"],
+                # steady: the run's log lines after its first 30 s (the first steps compile flex attention),
+                # checkpoints included; without the log, the whole run's average
+                "rate": steady or run["tokens_per_s"],
                 "unit": "tokens",
                 "mean_sample_tokens": tok / n,
                 "supervised_per_sample": tok * sup / n,
                 "amount": amount,
                 "wall_s": t["train"],
-                "overhead_s": t["train"] - run["elapsed_s"],
+                "overhead_s": t["train"] - amount / (steady or run["tokens_per_s"]),
+                "note": "steady rate from the run's log" if steady else "the whole run's average rate",
                 "shared_gpu": shared,
             }
         )
