@@ -24,6 +24,7 @@ from dflash_pipeline.extraction.layers import select_layer_ids
 from dflash_pipeline.extraction.modelfiles import read_model_config, weights_bytes
 from dflash_pipeline.extraction.placement import plan_replicas, replica_devices
 from dflash_pipeline.handoff import Handoff
+from dflash_pipeline.progress import short
 from dflash_pipeline.storage.commit import write_atomic
 
 log = logging.getLogger(__name__)
@@ -272,6 +273,41 @@ def compute_dtype(cfg: TargetConfig, devices: list[str]) -> str:
     return "bfloat16" if all(d.startswith("cuda") for d in devices) else "float32"
 
 
+# What the probe and every later stage read from the target's config.json (its language model's part): a config
+# without them ended in `KeyError: 'num_hidden_layers'` twice, a traceback in the task and one in the flow.
+REQUIRED_CONFIG = {
+    "num_hidden_layers": "its number of layers",
+    "hidden_size": "its hidden size",
+    "num_attention_heads": "its attention heads",
+    "vocab_size": "its vocabulary size",
+}
+
+
+def text_config(mc: dict, model_path: str) -> dict:
+    """The language model's part of a checkpoint's config.json (multimodal checkpoints, qwen3_5, nest it under
+    `text_config`), holding every REQUIRED_CONFIG key as a positive integer; else a CompatError naming the file,
+    what is missing and the fix."""
+    cfg = Path(model_path) / "config.json"
+    nested = isinstance(mc, dict) and isinstance(mc.get("text_config"), dict) and bool(mc["text_config"])
+    text = mc["text_config"] if nested else mc
+    if not isinstance(text, dict):
+        raise CompatError(
+            f"{cfg} is not a JSON object: not a HF checkpoint's config; re-download the checkpoint (or give the "
+            "directory of one as target.model_path)"
+        )
+    bad = [k for k in REQUIRED_CONFIG if type(text.get(k)) is not int or text[k] <= 0]
+    if bad:
+        where = " (in its text_config)" if nested else ""
+        said = ", ".join(f"{k}: {short(text[k])}" for k in bad if k in text)
+        raise CompatError(
+            f"{cfg} does not give {', '.join(bad)}{where} as positive integers "
+            f"({'; '.join(REQUIRED_CONFIG[k] for k in bad)}{f'; it has {said}' if said else ''}): not a causal "
+            "language model's config, or a damaged one: re-download the checkpoint (its config.json comes with "
+            "the weights), or give the directory of a complete checkpoint as target.model_path"
+        )
+    return text
+
+
 def probe(
     target: TargetConfig, layers: LayersConfig, extract: ExtractConfig, model_path: str, tokenizer_path: str
 ) -> ProbeReport:
@@ -283,8 +319,8 @@ def probe(
     mc = read_model_config(model_path)
     field = "target.tokenizer_path" if target.tokenizer_path else "target.model_path"
     tok = load_tokenizer(tokenizer_path, target.trust_remote_code, field)
-    text = mc.get("text_config") or mc  # multimodal checkpoints (qwen3_5) nest the language model
-    num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    text = text_config(mc, model_path)
+    num_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
     layer_types = list(text.get("layer_types") or ["full_attention"] * num_layers)
     ids = select_layer_ids(layers, num_layers)
     warnings: list[str] = []

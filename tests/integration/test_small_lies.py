@@ -1,0 +1,35 @@
+"""Four small lies a damage check of the store and the probe found (issue 50, item 5), each now told straight:
+a target config.json without the model's dimensions, a hand-edited `committed_samples`, a reader that went on
+reading after saying it read nothing, and a repair that counted directories as files it could not delete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dflash_pipeline.errors import CompatError
+from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
+from dflash_pipeline.extraction.probe import probe
+
+
+@pytest.mark.parametrize(
+    ("content", "missing"),
+    [
+        ({}, "num_hidden_layers, hidden_size, num_attention_heads, vocab_size"),
+        ({"text_config": {"num_hidden_layers": 8}}, "hidden_size, num_attention_heads, vocab_size"),
+        ({"num_hidden_layers": "eight", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 9}, "num_hidden"),
+    ],
+)
+def test_a_config_json_without_the_models_dimensions_is_one_error_naming_the_file(
+    model_dir, tmp_path, content, missing
+):
+    """Before: `KeyError: 'num_hidden_layers'` out of the probe (a traceback in the task and one in the flow)."""
+    target = tmp_path / "target"
+    shutil.copytree(model_dir, target)
+    (target / "config.json").write_text(json.dumps(content))
+    with pytest.raises(CompatError) as e:
+        probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(target), str(target))
+    said = str(e.value)
+    assert f"{target}/config.json" in said and missing in said and "re-download" in said, said
