@@ -5,6 +5,7 @@ the repair, when and why, instead of calling the unit's directory missing). docs
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -94,9 +95,18 @@ def refuse_while_read(store: Store, version: str, units: list[str], then: str) -
 
 
 def _rmtree(path: Path) -> list[str]:
-    """Delete a directory tree as far as possible; 'file (error)' for each file that could not be deleted."""
+    """Delete a directory tree as far as possible; 'file (error)' for each file that could not be deleted. A
+    directory left only because something in it could not be deleted is not one more (a damage check: one
+    immutable shard was "6 of its files", its five parent directories counted with it)."""
     errors: list[str] = []
-    shutil.rmtree(path, onerror=lambda _fn, p, exc: errors.append(f"{p} ({exc[1]!r})"))
+
+    def failed(fn, p, exc) -> None:
+        e = exc[1]
+        if fn is os.rmdir and isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return  # (what it still holds is named)
+        errors.append(f"{p} ({e!r})")
+
+    shutil.rmtree(path, onerror=failed)
     return errors
 
 
@@ -193,6 +203,7 @@ def discard_units(
         if errors:
             raise StoreError(
                 f"unit {u} was discarded (moved out of the store to {dst}, so a rerun of extract rebuilds it from "
-                f"its plan record), but {len(errors)} of its files could not be deleted, e.g. {errors[0]}: delete "
-                f"{dst} once they can be (e.g. after `chattr -i`)"
+                f"its plan record), but {len(errors)} of its files could not be deleted"
+                f"{': ' if len(errors) == 1 else ', e.g. '}{errors[0]}: delete {dst} once they can be (e.g. after "
+                "`chattr -i`)"
             )

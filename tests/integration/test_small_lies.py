@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 
-from dflash_pipeline.errors import CompatError
+from dflash_pipeline.errors import CompatError, StoreError
 from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.probe import probe
+from dflash_pipeline.storage.discard import discard_units
+from dflash_pipeline.storage.store import Store
+from tests.integration.test_integrity import U1, _flip
 
 
 @pytest.mark.parametrize(
@@ -33,3 +37,23 @@ def test_a_config_json_without_the_models_dimensions_is_one_error_naming_the_fil
         probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(target), str(target))
     said = str(e.value)
     assert f"{target}/config.json" in said and missing in said and "re-download" in said, said
+
+
+def test_a_discard_that_cannot_delete_one_file_counts_and_names_that_file(small_store, tmp_path):
+    """Before: one immutable shard was reported as "6 of its files could not be deleted" (its five parent
+    directories, left because they were not empty, counted as files)."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    shard = root / version / U1 / "hidden/c/0/0/0"
+    _flip(shard)
+    if subprocess.run(["chattr", "+i", str(shard)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and a filesystem with the immutable flag)")
+    try:
+        with pytest.raises(StoreError) as e:
+            discard_units(Store(root), version, ["u00001"], {"u00001": "damaged"})
+        said = str(e.value)
+        assert "1 of its files could not be deleted" in said and "hidden/c/0/0/0" in said, said
+        assert "Operation not permitted" in said, said
+    finally:
+        for p in (root / version / ".discarded").rglob("*"):
+            subprocess.run(["chattr", "-i", str(p)], capture_output=True)
