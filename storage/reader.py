@@ -218,6 +218,10 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
         self._arrays: dict[str, dict] = {}
         self._pid: int | None = None
+        # the damage a read found (in this process, or in its parent before the fork or spawn of a DataLoader
+        # worker): every later read refuses, never serving the other units' samples as if nothing were wrong
+        self._refused: str | None = None
+        self._opened = True  # (an error from here on is found by a read: _error says what it means)
 
     def _check_meta(self, unit: str) -> list[Problem]:
         """The unit's records and attributes (no file reads beyond them): storage.verify.check_unit without
@@ -234,9 +238,14 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def _error(self, problems: list[Problem]) -> StoreError:
         p = problems[0]
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        what = (
+            "This reader reads nothing more of this version (every later read raises this error)"
+            if getattr(self, "_opened", False)
+            else "Nothing of this version is read"
+        )
         return StoreError(
             f"store {self.store.loc.url_of(self.version)}: unit {p.unit}, array {p.array}, file {p.file}: "
-            f"{p.what}{more}. Nothing of this version is read: `dflash-pipeline verify {self.store.url} "
+            f"{p.what}{more}. {what}: `dflash-pipeline verify {self.store.url} "
             f"--version {self.version} --repair` lists every problem and discards what is damaged, and rerunning "
             "extract on this store then repairs it"
         )
@@ -334,7 +343,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 )  # fmt: skip
                 raise StoreError(
                     f"store version {self.store.loc.url_of(self.version)}: units/{ref.unit}/{f} changed while this "
-                    f"process read sample {ref.sample_id} ({now}), so its values are not returned: something deleted "
+                    f"process read sample {ref.sample_id} ({now}), so its values are not returned, and this reader "
+                    "reads nothing more of this version (every later read raises this error): something deleted "
                     "or rewrote the store's files under a reader (retention and pruning wait for readers; other "
                     f"tools do not). Run `dflash-pipeline verify {self.store.url} --version {self.version}`"
                 )
@@ -378,6 +388,18 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         ref = self.samples[i]
         if ref.unit in self.retired:
             raise StoreError(f"sample {ref.sample_id}: {self.retired[ref.unit]}")
+        if self._refused is not None:
+            raise StoreError(
+                f"sample {ref.sample_id} is not read: this reader found store version "
+                f"{self.store.loc.url_of(self.version)} damaged and reads nothing more of it ({self._refused})"
+            )
+        try:
+            return self._read(ref)
+        except StoreError as e:  # damage found by a read: no other unit's samples are served after it
+            self._refused = str(e)
+            raise
+
+    def _read(self, ref: SampleRef) -> dict:
         a = self._unit_arrays(ref.unit)
         files = self._read_files(ref.unit, ref.start, ref.start + ref.length)
         self._check_shards(ref.unit, files)

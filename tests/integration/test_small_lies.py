@@ -14,8 +14,9 @@ from dflash_pipeline.errors import CompatError, StoreError
 from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.probe import probe
 from dflash_pipeline.storage.discard import discard_units
+from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
-from tests.integration.test_integrity import U1, _flip
+from tests.integration.test_integrity import U0, U1, _flip
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,27 @@ def test_a_config_json_without_the_models_dimensions_is_one_error_naming_the_fil
         probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(target), str(target))
     said = str(e.value)
     assert f"{target}/config.json" in said and missing in said and "re-download" in said, said
+
+
+def test_a_reader_that_found_damage_reads_nothing_more(small_store, tmp_path):
+    """Before: the error said "Nothing of this version is read", and the same reader went on returning the other
+    units' samples."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    (root / version / U1 / "last_hidden/c/0/0").unlink()
+    ds = HiddenStateDataset(root, version, unvalidated="warn")
+    first_of_u1 = next(i for i, s in enumerate(ds.samples) if s.unit == "u00001")
+    with pytest.raises(StoreError, match=r"last_hidden/c/0/0: missing") as e:
+        ds[first_of_u1]
+    said = str(e.value)
+    assert "Nothing of this version is read:" not in said and "reads nothing more of this version" in said, said
+    for i in (0, first_of_u1 - 1, len(ds) - 1):  # u00000's samples, which are intact, are refused too
+        with pytest.raises(StoreError, match=r"found store version .* damaged .*last_hidden/c/0/0: missing"):
+            ds[i]
+    # at construction (a damaged record) it still says nothing is read, and nothing is
+    (root / version / U0 / "commit.json").write_text("{")
+    with pytest.raises(StoreError, match="Nothing of this version is read"):
+        HiddenStateDataset(root, version, unvalidated="warn")
 
 
 def test_a_discard_that_cannot_delete_one_file_counts_and_names_that_file(small_store, tmp_path):
