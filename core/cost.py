@@ -359,7 +359,8 @@ def _overhead(records: list[dict], stage: str, work: Work, rec: dict, exclude: t
     if not pool:
         return 0.0, "no fixed cost recorded"
     values = [max(float(r["overhead_s"]), 0.0) * (1.0 if same else scale(r)) for r in pool]
-    how = f"{statistics.median(values):.0f} s fixed (median of {len(values)} run(s)"
+    n = len(values)
+    how = f"{statistics.median(values):.0f} s fixed (" + ("one run's" if n == 1 else f"median of {n} runs")
     return statistics.median(values), how + ("" if same else f", scaled by {what} from other shapes") + ")"
 
 
