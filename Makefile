@@ -17,9 +17,13 @@ $(BIN)/dflash-pipeline: pyproject.toml
 .PHONY: install run test test-load unit lint test-py312
 install: $(BIN)/dflash-pipeline
 
-# Triton (~1 GB, for one unit test: pyproject's kernel-test extra) only where tests run, not for `make run`.
-$(VENV)/.kernel-test: $(BIN)/dflash-pipeline
+# Triton (~1 GB, for one unit test: pyproject's kernel-test extra) only where tests run, not for `make run`. Then the
+# peers' packages the interoperability tests run (speculators' data loader, z-lab's reference decoder): without
+# their dependencies, whose pins (datasets, transformers, torchvision) clash with ours; what their code paths import
+# is in the test extra (docs/INTEROP.md).
+$(VENV)/.kernel-test: $(BIN)/dflash-pipeline Makefile
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test,kernel-test]'
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
 	touch $@
 
 run: install

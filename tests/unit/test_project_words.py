@@ -39,6 +39,8 @@ def tracked_text_files() -> list[Path]:
 def test_no_tracked_text_file_speaks_of_sessions_or_lent_machines():
     found = []
     for path in tracked_text_files():
+        if path == Path(__file__).resolve():  # its own examples of what it refuses
+            continue
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if WORDS.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:120]}")
