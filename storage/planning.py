@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash_pipeline.errors import StoreError
+from dflash_pipeline.progress import counted
 from dflash_pipeline.storage import discard, quant, retention
 from dflash_pipeline.storage.layout import COMPRESSIONS, DTYPES, chunking, compressors, sharded_arrays
 from dflash_pipeline.storage.leases import now_utc
@@ -196,8 +197,8 @@ def _repair_units(
             lost = [sid for sid in foreign if sid not in found]
             if lost and drop_lost:
                 lost_why = (
-                    f"{len(lost)} of its samples are of rows changed or gone since, in no prepared dataset on disk it "
-                    f"was made from ({'; '.join(why) or 'none recorded'})"
+                    f"{counted(len(lost), 'sample')} of it {'is' if len(lost) == 1 else 'are'} of rows changed or "
+                    f"gone since, in no prepared dataset on disk it was made from ({'; '.join(why) or 'none recorded'})"
                 )
                 _drop_unit(store, version, u, problems[0], lost_why, plan, row_of)
                 dropped.add(u)
@@ -205,16 +206,15 @@ def _repair_units(
             if lost:
                 fps = attrs.get("dataset_fingerprints") or []
                 raise StoreError(
-                    f"unit {unit_url} is damaged ({problems[0]}) and holds {len(lost)} samples that are not in this "
+                    f"unit {unit_url} is damaged ({problems[0]}) and holds {counted(len(lost), 'sample')} not in this "
                     f"run's prepared dataset (e.g. {lost[0]}), nor in a prepared dataset it was made from "
                     f"({'; '.join(why) or 'none looked at'}); rerun with the dataset it was made from "
                     f"(one of the version's dataset_fingerprints: {', '.join(fps)}) to repair it"
                 )
             log.info(
-                "unit %s: %d of its samples are of rows changed or gone since; rebuilt from the prepared dataset it "
-                "was made from",
+                "unit %s holds %s of rows changed or gone since: rebuilt from the prepared dataset it was made from",
                 unit_url,
-                len(foreign),
+                counted(len(foreign), "sample"),
             )
             rows, length, unit_fetch = _with_rows(row_of, lengths, fetch, found)
         wrong = [(sid, n, length(rows[sid])) for sid, _, n in plan["samples"] if length(rows[sid]) != n]
@@ -235,7 +235,8 @@ def _repair_units(
             log.info("unit %s: its data were deleted by retention: extracting its samples again", unit_url)
         elif u in discarded and not store.loc.exists(f"{store._unit_rel(version, u)}/zarr.json"):
             log.info(
-                "unit %s was discarded by verify --repair: extracting its %d samples again",
+                "unit %s was discarded as damaged (by verify --repair or a nightly run's healing): extracting its "
+                "%d samples again",
                 unit_url,
                 len(plan["samples"]),
             )

@@ -71,7 +71,7 @@ def test_a_snapshot_keeps_the_samples_of_a_unit_repair_discarded(tmp_path, model
     shutil.move(tmp_path / "store/v0001/units" / last, tmp_path / "discarded")  # as verify --repair discards it
     made = tmp_path / "prepared" / store.attrs("v0001")["dataset_fingerprints"][0]
     shutil.move(made, tmp_path / "aside")
-    with pytest.raises(StoreError, match=r"samples that are not in this run's prepared dataset .* is not on disk"):
+    with pytest.raises(StoreError, match=r"samples not in this run's prepared dataset .* is not on disk"):
         extract_local(tmp_path, {**BASE, "data.max_samples": 10})
     assert store.current() == "v0001"
     shutil.move(tmp_path / "aside", made)  # back on disk: the unit is rebuilt from it
