@@ -295,7 +295,7 @@ def find_samples(
 ) -> tuple[dict[str, tuple[list[int], list[int]]], list[str]]:
     """The token ids and loss masks of the `wanted` sample ids, looked up in the prepared datasets
     `out_root/<fingerprint>/` (the ones a store version was made from, newest first), for a unit to be rebuilt whose
-    rows have changed or gone from the source since (a nightly run: docs/STORE.md, "Versions"). A dataset is used only
+    rows have changed or gone from the source since (docs/STORE.md, "Extracting again"). A dataset is used only
     while every file matches its manifest's digests, and a sample only when its ids and mask hash to its id (the id is
     their content hash), so nothing but the very tokens the unit was made from is ever returned. Returns
     ({sample id: (ids, mask)}, why each dataset looked at could not be used, as clauses). `opened`: a dict kept by

@@ -19,9 +19,11 @@ def snapshot(store: Store, source: str) -> str:
     sharing their files is safe. Units whose data retention deleted are not shared: their samples are
     planned (and extracted) again in the new version. A planned unit that is not shared otherwise (discarded
     by `verify --repair`, damaged, not complete) keeps its plan record in the new version, so the planner
-    rebuilds it there from this run's dataset, or stops naming the samples this run's dataset lacks: a
-    snapshot never drops samples of the version it copies (a damage hunt found the nightly run publishing a
-    version without a discarded unit's samples, which validation, checking this run's dataset, passed)."""
+    rebuilds it there from this run's dataset and, for rows changed or gone since, the prepared dataset it was made
+    from; a snapshot never silently drops samples of the version it copies (a damage hunt found the nightly run
+    publishing a version without a discarded unit's samples, which validation, checking this run's dataset, passed).
+    Only a nightly run drops a unit that nothing on disk can rebuild, recorded in repairs.json (storage/planning.py),
+    rather than stop every night the same way."""
     name = store.new_version_name()
     src_attrs = store.attrs(source)
     gone = retention_record.retired(retention_record.read_record(store, source), store.units(source))
