@@ -63,13 +63,21 @@ def compression_of(store: Store, version: str, unit: str) -> str:
 
 def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
     """Rewrite every plan record that `report` found damaged while the unit's attributes are as committed
-    (problem kind "record" on plans/<unit>.json), from those attributes; the unit's files are not touched.
-    Returns one line per record rewritten."""
+    (problem kind "record" on plans/<unit>.json), from those attributes, and every commit record whose
+    `committed_samples` alone is wrong (kind "record" on units/<unit>/commit.json), from the unit's sample table and
+    committed tokens; the unit's data are not touched. Returns one line per record rewritten. (`verify --repair`,
+    a nightly run's heal and the planner of every run with extract call it.)"""
     from dflash_pipeline.storage.verify import RECORD
 
     done = []
+    damaged = report.damaged_units()
     for p in report.problems:
-        if p.kind != RECORD or not p.file.startswith(f"{PLANS}/") or p.unit in report.duplicated:
+        if p.kind != RECORD or p.unit in report.duplicated or p.unit in damaged:
+            continue
+        if p.file == f"units/{p.unit}/commit.json":
+            done += _rewrite_committed_samples(store, report.version, p.unit)
+            continue
+        if not p.file.startswith(f"{PLANS}/"):
             continue
         attrs = store.unit_attrs(report.version, p.unit)
         plan = {k: attrs[k] for k in PLANNED_KEYS}
@@ -80,3 +88,19 @@ def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
             "its data were not touched"
         )
     return done
+
+
+def _rewrite_committed_samples(store: Store, version: str, unit: str) -> list[str]:
+    """The unit's commit record with its `committed_samples` counted again from the unit's sample table (nothing
+    else of it changes: a validation that vouched for the record as it was written vouches for it again)."""
+    from dflash_pipeline.storage.verify import committed_samples
+
+    rel = f"{version}/units/{unit}/commit.json"
+    rec = store.loc.read_json(rel)
+    was = rec.get("committed_samples")
+    rec["committed_samples"] = committed_samples(store.unit_attrs(version, unit), rec.get("committed_tokens", 0))
+    store.loc.write_json_atomic(rel, rec)
+    return [
+        f"rewrote units/{unit}/commit.json's committed_samples ({short(was)} -> {rec['committed_samples']}) from the "
+        "unit's sample table and committed_tokens; its data were not touched"
+    ]

@@ -205,6 +205,29 @@ def null_entry_problem(f: str, present: bool) -> str | None:
     return None
 
 
+def committed_samples(attrs: dict, committed_tokens: int) -> int:
+    """The number of a unit's samples its commit record's `committed_samples` holds: those with start + length <=
+    committed_tokens (docs/STORE.md; the writer's count)."""
+    return sum(1 for _, start, length in attrs["samples"] if start + length <= committed_tokens)
+
+
+def committed_samples_problem(rec: dict, attrs: dict) -> str | None:
+    """What is wrong with a commit record's `committed_samples` (informational: readers go by committed_tokens)
+    against the unit's sample table, which the unit's commit record vouches for: a hand-edited count was published
+    by the next run before (verify said "healthy", and exited 1 naming nothing). None: right, or not recorded."""
+    n, committed = rec.get("committed_samples"), rec.get("committed_tokens", 0)
+    try:
+        want = committed_samples(attrs, committed)
+    except (KeyError, TypeError, ValueError):  # a damaged sample table: check_sample_table names it
+        return None
+    if n is None or (type(n) is int and n == want):
+        return None
+    return (
+        f"committed_samples is {short(n)}, but {want} of the unit's samples lie within its {committed} committed "
+        "tokens (its sample table): the record was edited"
+    )
+
+
 def check_unit(
     store: Store, version: str, unit: str, capture_last: bool, digests: bool, precision: str = "full"
 ) -> tuple[list[Problem], int, int]:
@@ -330,6 +353,9 @@ def check_unit(
         )
     elif not rec.get("complete"):
         problems.append(P("commit.json", f"not complete: {committed} of {n_tokens} tokens committed", INCOMPLETE))
+    if not any(p.kind == DAMAGED for p in problems) and (count := committed_samples_problem(rec, attrs)):
+        fix = f"`dflash-pipeline verify {store.url} --version {version} --repair`, or a rerun of extract, rewrites it"
+        problems.append(P("commit.json", f"{count}; {fix} from the unit's data", RECORD))
     n_shards = -(-committed // shard)
     for array in sharded_arrays(capture_last, precision):
         listed = sum(1 for f in files if f.startswith(f"{array}/c/"))

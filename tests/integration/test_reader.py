@@ -32,7 +32,8 @@ def test_reader_sees_only_committed_samples(clean_extraction, tmp_path):
         for f, d in rec["files"].items()
         if "/c/" not in f or f.split("/c/")[0] not in ("hidden", "last_hidden") or f.split("/c/")[1].startswith("0/")
     }
-    partial_rec = {**rec, "committed_tokens": cut, "complete": False, "files": files}
+    inside = sum(1 for _, start, length in attrs["samples"] if start + length <= cut)  # (as the writer counts)
+    partial_rec = {**rec, "committed_tokens": cut, "complete": False, "committed_samples": inside, "files": files}
     (root / version / "units" / u / "commit.json").write_text(json.dumps(partial_rec))
     with pytest.raises(StoreError, match=f"unit {u}.*not complete: {cut} of"):
         HiddenStateDataset(root, version, unvalidated="warn")

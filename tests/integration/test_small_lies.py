@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.errors import CompatError, StoreError
+from dflash_pipeline.cli import main as cli
+from dflash_pipeline.errors import CompatError, StoreError, ValidationFailed
 from dflash_pipeline.extraction.config import ExtractConfig, LayersConfig, TargetConfig
 from dflash_pipeline.extraction.probe import probe
+from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.discard import discard_units
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
-from tests.integration.test_integrity import U0, U1, _flip
+from tests.helpers import config
+from tests.integration.test_integrity import SMALL, U0, U1, _edit_json, _flip
 
 
 @pytest.mark.parametrize(
@@ -38,6 +42,64 @@ def test_a_config_json_without_the_models_dimensions_is_one_error_naming_the_fil
         probe(TargetConfig(), LayersConfig(), ExtractConfig(devices="cpu"), str(target), str(target))
     said = str(e.value)
     assert f"{target}/config.json" in said and missing in said and "re-download" in said, said
+
+
+def _published(small_store, tmp_path) -> tuple[Path, str]:
+    """A copy of the small store, validated and published (CURRENT) by a run."""
+    shutil.copytree(small_store.store, tmp_path / "store")
+    _run(tmp_path, ["prepare", "extract", "validate"])
+    assert Store(tmp_path / "store").current() == small_store.plan.version
+    return tmp_path / "store", small_store.plan.version
+
+
+def _run(out, stages):
+    runner = LocalRunner()
+    run_pipeline(config(out, {**SMALL, "stages": stages, "validate.recompute_samples": 0}), runner)
+    return runner
+
+
+def _committed_samples(root: Path, version: str) -> int:
+    return json.loads((root / version / U0 / "commit.json").read_text())["committed_samples"]
+
+
+@pytest.fixture
+def edited_count(small_store, tmp_path):
+    """A published store whose u00000 commit record says it holds 3 samples more than it does."""
+    root, version = _published(small_store, tmp_path)
+    right = _committed_samples(root, version)
+    _edit_json(root / version / U0 / "commit.json", lambda r: {**r, "committed_samples": right + 3})
+    return root, version, right
+
+
+def test_a_hand_edited_committed_samples_is_named_and_rewritten_by_verify_repair(edited_count, capsys):
+    """Before: verify printed "healthy" and exited 1 with advice naming nothing (the version changed since
+    validation), and the next run validated and published the edited count."""
+    root, version, right = edited_count
+    assert cli(["verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "healthy" not in out, out
+    line = next(x for x in out.splitlines() if "committed_samples" in x)
+    assert f"{U0}/commit.json" in line and f"{right + 3}" in line and f"{right}" in line, line
+    assert f"dflash-pipeline verify {root} --version {version} --repair" in line, line
+    assert cli(["verify", str(root), "--repair"]) == 1  # (the report is of the version before the repair)
+    out = capsys.readouterr().out
+    assert f"rewrote {U0}/commit.json's committed_samples" in out, out
+    assert _committed_samples(root, version) == right
+    assert cli(["verify", str(root)]) == 0  # as validated again: the record is what validation checked
+    assert "healthy" in capsys.readouterr().out
+
+
+def test_a_hand_edited_committed_samples_is_rewritten_by_the_next_run_never_published(edited_count):
+    root, version, right = edited_count
+    # validation alone (no extract to rewrite it) refuses it, naming the file and the field
+    with pytest.raises(ValidationFailed, match=rf"{U0}/commit.json: .*committed_samples"):
+        _run(root.parent, ["prepare", "validate"])
+    assert _committed_samples(root, version) == right + 3
+    # a run with extract rewrites it from the unit's data first; validation then passes and publishes the true count
+    runner = _run(root.parent, ["prepare", "extract", "validate"])
+    assert runner.results["validate"].ok and Store(root).current() == version
+    assert _committed_samples(root, version) == right
+    assert sum(r.forward_passes for r in runner.results["extract"]) == 0  # nothing extracted again
 
 
 def test_a_reader_that_found_damage_reads_nothing_more(small_store, tmp_path):
