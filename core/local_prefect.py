@@ -22,6 +22,8 @@ from dflash_pipeline.runguard import _descendants, _stat, _still, parent_death_s
 POOL = "dflash"
 STOP_GRACE_S = 20.0
 ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING")
+ACTIVE_TASK_STATES = ("PENDING", "RUNNING", "SCHEDULED", "CANCELLING", "PAUSED")
+ORPHAN_POLL_S = 2.0  # how often serve ends the task runs that killed flow-run processes left Running
 # Zombie detection (PostgreSQL only): the heartbeat period is set for the deployments' flow runs in
 # deployments/prefect.yaml (job variable env); a run is crashed after ZOMBIE_WITHIN_S without a heartbeat (Prefect's
 # default period is 180 s: the automation matches only runs tagged `dflash`, whose deployments set HEARTBEAT_S).
@@ -100,6 +102,8 @@ class LocalPrefect:
             "DFLASH_WORKDIR": str(self.workdir),
             "PREFECT_WORKER_QUERY_SECONDS": "2",
             "PREFECT_SERVER_API_HOST": self.host,
+            # created when serve stops: its runs then say "serve was stopped" (tasks/common.py, serve_stopping)
+            "DFLASH_SERVE_STOPPING_FILE": str(self.stopping_marker),
         }
         if self.home:
             env["PREFECT_HOME"] = str(self.home)
@@ -113,6 +117,11 @@ class LocalPrefect:
         if check and res.returncode != 0:
             raise PipelineError(f"`prefect {' '.join(args)}` failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return res
+
+    @property
+    def stopping_marker(self) -> Path:
+        """Exists while this serve stops its runs (they name the cause: tasks/common.py, serve_stopping)."""
+        return self.log_dir / f"serve-{os.getpid()}-stopping"
 
     @property
     def log_dir(self) -> Path:
@@ -207,7 +216,47 @@ class LocalPrefect:
         Pending frees its deployment concurrency slot (Prefect's ReleaseFlowConcurrencySlots)."""
         body = {"state": {"type": "CRASHED", "name": "Crashed", "message": message}, "force": False}
         res = self.api_call("POST", f"/flow_runs/{run['id']}/set_state", body) or {}
-        return res.get("status") == "ACCEPT"
+        if res.get("status") != "ACCEPT":
+            return False
+        self.end_task_runs(run["id"], "CRASHED", f"its flow run was set Crashed: {message}")
+        return True
+
+    def end_task_runs(self, flow_run_id: str, state_type: str, message: str) -> int:
+        """Set the task runs of a flow run that the database still shows unfinished to `state_type` (forced): a
+        flow-run process that was killed left them Running beside its final flow run (issue 50). Returns how many."""
+        body = {
+            "flow_runs": {"id": {"any_": [str(flow_run_id)]}},
+            "task_runs": {"state": {"type": {"any_": list(ACTIVE_TASK_STATES)}}},
+            "limit": 200,
+        }
+        name = state_type.capitalize()
+        state = {"state": {"type": state_type, "name": name, "message": message}, "force": True}
+        tasks = self.api_call("POST", "/task_runs/filter", body) or []
+        for t in tasks:
+            self.api_call("POST", f"/task_runs/{t['id']}/set_state", state)
+        return len(tasks)
+
+    def end_orphaned_task_runs(self) -> int:
+        """Task runs left unfinished by flow runs that ended (their process was killed, by SIGKILL or the OOM killer,
+        and the worker reported the flow run Crashed): set to their flow run's final state, naming it. serve does
+        this every ORPHAN_POLL_S (and each run does at its start); returns how many it set."""
+        body = {
+            "flow_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]}}},
+            "task_runs": {"state": {"type": {"any_": list(ACTIVE_TASK_STATES)}}},
+            "limit": 200,
+        }
+        tasks = self.api_call("POST", "/task_runs/filter", body) or []
+        ends: dict[str, dict] = {}
+        for t in tasks:
+            fid = t.get("flow_run_id")
+            if fid and fid not in ends:
+                ends[fid] = (self.api_call("GET", f"/flow_runs/{fid}") or {}).get("state") or {}
+        done = 0
+        for fid, st in ends.items():
+            kind = "CANCELLED" if st.get("type") == "CANCELLED" else "CRASHED"
+            why = st.get("message") or st.get("name") or "ended"
+            done += self.end_task_runs(fid, kind, f"its flow run ended {st.get('name', '')} while it ran: {why}")
+        return done
 
     def settle_runs(self, worker_name: str, why: str, grace_s: float = STOP_GRACE_S) -> list[dict]:
         """The runs of a worker that is gone: wait up to `grace_s` for their processes to end (they notice the
@@ -293,6 +342,20 @@ class LocalPrefect:
         for p in workers:
             runs.update(_descendants(p.pid))
         deadline = time.monotonic() + grace_s
+        # The flow-run processes first, each told by SIGTERM (it leads a session of its own): a Prefect worker that
+        # stops kills its runs with SIGKILL, so they could neither save a checkpoint nor publish their summary nor
+        # end their task runs (issue 50). The marker tells them why (the summary says "serve was stopped").
+        flow_runs = {p: s for p, s in runs.items() if _is_flow_run_process(p)}
+        if flow_runs:
+            try:
+                self.stopping_marker.parent.mkdir(parents=True, exist_ok=True)
+                self.stopping_marker.touch()
+            except OSError:
+                pass
+            for pid in flow_runs:
+                _kill(pid, signal.SIGTERM)
+            while _still(flow_runs) and time.monotonic() < deadline:
+                time.sleep(0.2)
         _stop_groups(workers, deadline)
         while _still(runs) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -304,6 +367,10 @@ class LocalPrefect:
         if server is not None:
             _stop_groups([server], time.monotonic() + grace_s)
         self.procs.clear()
+        try:
+            self.stopping_marker.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _crash_gone(self, pids: set[int]) -> None:
         """Set Crashed the active runs whose flow-run process was one of `pids` (all gone by now)."""
@@ -323,11 +390,20 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _is_flow_run_process(pid: int) -> bool:
+    """Whether `pid` is a Prefect flow-run process (its environment names its flow run)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return any(v.startswith(b"PREFECT__FLOW_RUN_ID=") for v in env.split(b"\0"))
 
 
 def _stop_groups(procs: list[subprocess.Popen], deadline: float) -> None:

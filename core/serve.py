@@ -9,9 +9,14 @@ processes, and their extraction workers exit when their flow-run process dies (e
 
 No run is left Running in the database, holding its deployment's only concurrency slot, because the process that
 would have reported its end is gone:
-- `serve` stops on SIGINT, SIGTERM and SIGHUP in order: its worker first; the worker's flow runs notice and stop
-  (runguard.watch_worker: SIGTERM, as from a cancel; Prefect reports them Crashed, which frees their slots);
-  what is left after STOP_GRACE_S gets SIGKILL and is set Crashed through the API; then the server.
+- `serve` stops on SIGINT, SIGTERM and SIGHUP in order: its worker's flow runs first (SIGTERM to each flow-run
+  process, with a marker file that says serve is stopping: each saves its checkpoint, publishes its summary, ends
+  its task runs and reports itself Crashed, "serve was stopped", which frees its slot; a Prefect worker that stops
+  would SIGKILL them), then the worker; what is left after STOP_GRACE_S gets SIGKILL and is set Crashed through the
+  API, with its task runs; then the server.
+- Every ORPHAN_POLL_S, task runs the database still shows Running (or Pending) whose flow run has ended are set to
+  that end (a flow-run process killed by SIGKILL or the OOM killer reports nothing: its worker sets the flow run
+  Crashed, and its task runs stayed Running).
 - A Prefect worker that dies (killed, OOM) is restarted: its flow runs stop on their own (watch_worker), and
   `settle_runs` sets Crashed those the database still shows active once their processes are gone.
 - After a SIGKILL of `serve` nothing could write the database (its server died with it: parent-death signal;
@@ -36,10 +41,11 @@ import signal
 import socket
 import sys
 import time
+import urllib.error
 from pathlib import Path
 
 from dflash_pipeline.deployments import PREFECT_FILE
-from dflash_pipeline.local_prefect import LocalPrefect, signal_group
+from dflash_pipeline.local_prefect import ORPHAN_POLL_S, LocalPrefect, signal_group
 from dflash_pipeline.prefect_database import database_url, redact
 
 # serve's own worker, one name per host: a restarted serve recognizes the runs its killed predecessor had taken.
@@ -61,6 +67,14 @@ def _prefect_command() -> str:
         return str(mine.relative_to(Path.cwd()))
     except ValueError:
         return str(mine)
+
+
+def _end_orphans(lp: LocalPrefect) -> None:
+    """The task runs that a killed flow-run process left Running beside its ended flow run end too (best effort)."""
+    try:
+        lp.end_orphaned_task_runs()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"could not end the task runs of ended flow runs ({e})", file=sys.stderr, flush=True)
 
 
 def _raise_stop(signum, frame) -> None:
@@ -95,8 +109,12 @@ def serve(port: int, home: str | Path | None = None, database: str | None = None
             "(they end Crashed), then the server.",
             flush=True,
         )
+        orphans_at = 0.0
         while True:
             time.sleep(1)
+            if time.monotonic() - orphans_at >= ORPHAN_POLL_S:  # killed flow-run processes' task runs (issue 50)
+                orphans_at = time.monotonic()
+                _end_orphans(lp)
             if lp.server is None or lp.server.poll() is not None:
                 print(f"the Prefect server exited; stopping (see {lp.log_dir}/server.log)", file=sys.stderr)
                 return 1
