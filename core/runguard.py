@@ -51,6 +51,9 @@ _stop: str | None = None  # the signal that asked this run to stop, once one has
 
 def _raise_interrupt(signum, frame) -> None:
     global _stop
+    if _done:  # (Prefect's SIGTERM handler, left at the flow run's end, hands it back here)
+        _note_late(signum, frame)
+        return
     _stop = signal.Signals(signum).name
     if signum != signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM or SIGHUP ends the process at once
@@ -59,6 +62,53 @@ def _raise_interrupt(signum, frame) -> None:
 
 def _interrupt() -> KeyboardInterrupt:
     return KeyboardInterrupt("" if _stop == "SIGINT" else _stop)  # the CLI says "stopped (Ctrl-C)" for ""
+
+
+_done = False  # the CLI's run finished its work (flows/pipeline.py, "pipeline done"; guarded_run resets it)
+_late: str | None = None  # a stop signal that came after that: it had nothing to stop
+LATE_NOTE = (
+    "{what} came after the run had completed: nothing was stopped; the run's results are kept (its summary is above)"
+)
+
+
+def run_done() -> None:
+    """In the CLI's run, once its work is done and about to be reported ("pipeline done"): a stop signal from here on
+    (while Prefect records the run's end, while its temporary server stops at exit) has nothing left to stop. The
+    first is noted, and the CLI ends as the completed run it is (exit 0), saying so in one line; a second ends the
+    process at once, also with exit 0 (the guard stops the temporary server). Before, SIGTERM there killed the CLI
+    with no message, and Ctrl-C printed a traceback from Prefect's exit handler. Outside a CLI run: nothing."""
+    global _done
+    if not _guarding:
+        return
+    _done = True
+    if threading.current_thread() is threading.main_thread():
+        for s in _STOP_SIGNALS:  # (Prefect's SIGTERM handler of the flow run included: it restores ours at its end)
+            signal.signal(s, _note_late)
+
+
+def _late_what(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _note_late(signum, frame) -> None:
+    global _late
+    if _late is None:
+        _late = _late_what(signum)
+        return
+    _say_late()  # a second one: the user wants out now; the run is complete, the guard stops the server
+    os._exit(0)
+
+
+def _say_late() -> None:
+    """At exit (after Prefect's temporary server stopped: registered before its exit handler, so run after it)."""
+    global _late
+    if _late is not None:
+        what, _late = _late, None
+        try:
+            sys.stdout.flush()
+            print(LATE_NOTE.format(what=what), file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # a closed console: nothing to say it on
+            pass
 
 
 def raise_if_stopped() -> None:
@@ -270,9 +320,10 @@ def isolate_ephemeral_server() -> None:
 def guarded_run(debug: bool = False):
     """The CLI's run: signals as Ctrl-C (and remembered), a guard process for SIGKILL, no traceback for user
     errors."""
-    global _stop, _guarding
-    _stop, _guarding = None, True
+    global _stop, _guarding, _done, _late
+    _stop, _guarding, _done, _late = None, True, False, None
     previous = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
+    _register_late_note()
     ensure_guard()
     if not os.environ.get("PREFECT_API_URL"):
         isolate_ephemeral_server()
@@ -292,9 +343,23 @@ def guarded_run(debug: bool = False):
             lg.removeFilter(flt)
         for h in consoles:
             h.removeFilter(console)
-        for s, h in previous.items():
-            signal.signal(s, h)
+        for s, h in previous.items():  # a completed run keeps noting late stop signals, until the process ends
+            signal.signal(s, _note_late if _done else h)
         _stop, _guarding = None, False
+
+
+_late_note_registered = False
+
+
+def _register_late_note() -> None:
+    """Once per process, before Prefect's temporary server registers its stop at exit: exit handlers run last
+    registered first, so the note on a late stop signal (run_done) comes after the server's stop."""
+    global _late_note_registered
+    if not _late_note_registered:
+        import atexit
+
+        atexit.register(_say_late)
+        _late_note_registered = True
 
 
 def _api_handler_types() -> tuple[type, ...]:

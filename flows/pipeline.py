@@ -37,7 +37,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
-from dflash_pipeline.runguard import quiet_user_errors, raise_if_stopped, stop_asked, stops_remembered
+from dflash_pipeline.runguard import quiet_user_errors, raise_if_stopped, run_done, stop_asked, stops_remembered
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.summary import RunSummary, StopReport
 from dflash_pipeline.tasks.common import (
@@ -157,6 +157,7 @@ def dflash_pipeline(
         _finalize_tasks(stop, report.line())
         run_logger().info(report.line())  # the run's last word: where it stopped, what resumes it
         return stop.prefect_state(report.line())
+    run_done()  # the CLI's: a stop signal from here on has nothing to stop (runguard.run_done)
     run_logger().info("pipeline done: %s", summary.to_dict())
     try:  # one per run, at its end (a failed run's: _publish_failure); an API hiccup here fails no finished run
         publish_run_summary(summary)

@@ -5,12 +5,16 @@ printed a traceback from Prefect's exit handler (Ctrl-C), or, a moment earlier, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 
 def _foreground_signals() -> None:
@@ -42,3 +46,25 @@ def test_a_target_config_json_of_nothing_is_one_error_line(model_dir, tmp_path):
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert rc == 2 and "Traceback" not in out and "KeyError" not in out, out
     assert len(errors) == 1 and f"{target}/config.json" in errors[0] and "num_hidden_layers" in errors[0], out
+
+
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [
+        (signal.SIGTERM, "pipeline done"),  # the flow logged it; Prefect still records the run's end
+        (signal.SIGINT, "done in"),  # the CLI printed its summary; Prefect's temporary server stops at exit
+    ],
+)
+def test_a_stop_signal_after_the_run_completed_stops_nothing(model_dir, tmp_path, sig, when):
+    p = _cli(tmp_path, "--set=output_dir=out", f"--set=stages={json.dumps(['probe'])}", "--verbose")
+    deadline = time.monotonic() + 300
+    while when not in (tmp_path / "cli.out").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "cli.out").read_text()
+        time.sleep(0.02)
+    os.kill(p.pid, sig)
+    rc = p.wait(timeout=60)
+    out = (tmp_path / "cli.out").read_text()
+    said = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert rc == 0 and "Traceback" not in out and "stopped (" not in out, (rc, out)
+    assert "done in " in out and f"{said} came after the run had completed: nothing was stopped" in out, out
+    assert "Finished in state Completed()" in out.split("pipeline done", 1)[1], out  # the flow run too
