@@ -150,7 +150,7 @@ def stops_remembered():
             signal.signal(signal.SIGTERM, inner)
 
 
-WORKER_POLL_S = 0.5
+WORKER_POLL_S = 0.2
 _watching: int | None = None  # the worker pid watch_worker watches
 
 
@@ -170,13 +170,52 @@ def watch_worker() -> None:
         while _watching == parent:
             time.sleep(WORKER_POLL_S)
             if os.getppid() != parent:
-                logging.getLogger("dflash_pipeline").error(
-                    "the Prefect worker (pid %d) that started this flow run is gone: stopping the run", parent
-                )
+                global worker_end
+                worker_end = exit_of(parent)  # (read now: its parent, serve, reaps it within a second)
+                # Our stdout and stderr were pipes to the worker, and nothing reads them now: a console write there
+                # raised SystemExit (rich's console, on BrokenPipeError) wherever it happened, this thread included,
+                # before the SIGTERM below. The console is gone; the API's log handler goes on.
+                _silence_console()
                 os.kill(os.getpid(), signal.SIGTERM)
+                logging.getLogger("dflash_pipeline").error(
+                    "the Prefect worker (pid %d) that started this flow run is gone%s: stopping the run",
+                    parent,
+                    f" ({worker_end})" if worker_end else "",
+                )
                 return
 
     threading.Thread(target=poll, name="watch-worker", daemon=True).start()
+
+
+def _silence_console() -> None:
+    """Point stdout and stderr at /dev/null (their reader is gone)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+worker_end: str | None = None  # how the worker watch_worker saw die ended ("SIGKILL", "exit 1"), if it could tell
+
+
+def exit_of(pid: int) -> str | None:
+    """How a process that has ended but is not yet reaped (a zombie) ended: "SIGKILL", "exit 1"; None when that
+    cannot be told (reaped already, or not Linux). The last field of /proc/PID/stat is its wait status."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[-1])
+    sig = status & 0x7F
+    try:
+        return signal.Signals(sig).name if sig else f"exit {status >> 8}"
+    except ValueError:
+        return f"signal {sig}"
 
 
 def _user_error(exc: BaseException | None) -> bool:

@@ -219,7 +219,8 @@ def ends_stopped(fn):
 
         try:
             return fn(*args, **kwargs)
-        except (TerminationSignal, KeyboardInterrupt, Exception) as e:
+        except (TerminationSignal, KeyboardInterrupt, SystemExit, Exception) as e:
+            # (SystemExit: a console write to the pipe of a worker that died; rich's console exits on it)
             # (WorkerStopped: the flow stopped this task's extraction worker because the run is being stopped)
             if isinstance(e, Exception) and type(e).__name__ != "WorkerStopped":
                 raise

@@ -20,6 +20,7 @@ from dflash_pipeline.tasks.common import artifact_key
 from tests.e2e.conftest import FULL_TINY
 from tests.proctree import alive, descendants, wait_gone
 from tests.serving import DB_ERRORS, SMALL, STORE_BUSY, TINY_TRAINING, api, free_port, logs, run_load, wait_final
+from tests.stops import assert_no_task_left, final_picture
 
 
 def test_serve_names_an_unreachable_database_and_the_fix(tmp_path):
@@ -286,6 +287,14 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
         )
         assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
         assert slot_s < NEXT_RUN_BOUND_S and next_s < NEXT_RUNNING_BOUND_S, (slot_s, next_s)
+        # issue 50: no task run left Running, and the summary says what happened, in words, and what resumes it
+        p = final_picture(lp.database_url, killed, wall0)
+        print(f"worker SIGKILL: task runs final {p['tasks_after_flow_s']:+.1f} s from the flow run: {p['counts']}")
+        assert_no_task_left(p)
+        summary = p["summary"] or ""
+        assert summary.startswith("# Run summary: CRASHED at "), summary
+        assert "the worker process died" in summary and "dflash-pipeline/full" in summary, summary
+        assert "SystemExit" not in summary, summary
         api(lp, lambda client: client.set_flow_run_state(nxt, Cancelling()))  # the new worker stops its run
         (done,) = wait_final(lp, [nxt], timeout=120)
         assert done.state.is_cancelled(), done.state
@@ -325,6 +334,17 @@ def test_serve_killed_or_stopped_mid_run_leaves_nothing_stuck(postgres, model_di
     timings["sigterm: Crashed"] = at - wall0
     assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
     assert _slot(url) == 0
+    # issue 50: the stopped run ended its task runs itself, saved a checkpoint and published its summary
+    p = final_picture(url, first, wall0)
+    timings["sigterm: task runs final after the flow run"] = p["tasks_after_flow_s"]
+    assert_no_task_left(p)
+    train = [t for t in p["tasks"] if t["name"].startswith("train drafter")]
+    assert [t["state"] for t in train] == ["Crashed"] and "serve was stopped" in (train[0]["message"] or ""), train
+    assert "serve was stopped" in message, message
+    summary = p["summary"] or ""
+    assert summary.startswith("# Run summary: CRASHED at train-drafter"), summary
+    assert "serve was stopped" in summary and "prefect deployment run 'dflash-pipeline/full'" in summary, summary
+    assert list((tmp_path / "a" / "drafter" / "checkpoints").glob("step-*")), "no checkpoint at serve's SIGTERM"
     out = (home / "serve.out").read_text()
     assert "SIGTERM: stopping" in out and "Traceback" not in out, out[-3000:]
 
@@ -349,6 +369,9 @@ def test_serve_killed_or_stopped_mid_run_leaves_nothing_stuck(postgres, model_di
         name, at, message = _db_state(url, second)
         timings["sigkill: Crashed, from the next serve's ready banner (<0: before)"] = at - ready
         assert name == "Crashed" and "killed" in message, (name, message)
+        p = final_picture(url, second, at)  # issue 50: its task runs too, with the flow run
+        timings["sigkill: task runs final after the flow run"] = p["tasks_after_flow_s"]
+        assert_no_task_left(p)
         (row,) = _rows(url, f"SELECT name FROM flow_run WHERE id = '{second}'")
         assert f"flow run {row['name']} ({second}) was left RUNNING" in (home / "serve.out").read_text()
         third = lp.run_deployment("full", {**FULL_TINY, "output_dir": str(tmp_path / "c")})
