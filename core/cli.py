@@ -276,6 +276,19 @@ def cmd_export_states(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_drafter(args: argparse.Namespace) -> int:
+    """A drafter trained by another trainer in our export format (drafter/import_speculators.py, docs/INTEROP.md)."""
+    from dflash_pipeline.drafter.import_speculators import import_speculators
+
+    try:
+        out = import_speculators(args.checkpoint, args.out, args.target, args.epoch)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -402,6 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--restart", action="store_true", help="OUT holds another export: delete its files and start over")
     ex.add_argument("--store-options", help='JSON of an s3:// store\'s options, e.g. \'{"endpoint_url": "..."}\'')
     ex.set_defaults(fn=cmd_export_states)
+    im = sub.add_parser(
+        "import-drafter",
+        help="convert a DFlash drafter trained by speculators into this project's export format (docs/INTEROP.md)",
+    )
+    im.add_argument("checkpoint", help="a speculators checkpoint directory, or its --save-path (the last epoch)")
+    im.add_argument("out", help="the export directory to write (replaced if it exists)")
+    im.add_argument("--target", help="the target model's directory (default: the verifier path the checkpoint records)")
+    im.add_argument("--epoch", help="with a --save-path: the epoch directory to take (a number, or checkpoint_best)")
+    im.add_argument("--format", default="speculators", choices=["speculators"], help="the checkpoint's trainer")
+    im.set_defaults(fn=cmd_import_drafter)
     return parser
 
 
