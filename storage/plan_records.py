@@ -70,12 +70,12 @@ def rebuild_plan_records(store: Store, report: VerifyReport) -> list[str]:
     from dflash_pipeline.storage.verify import RECORD
 
     done = []
-    damaged = report.damaged_units()
+    damaged = report.damaged_units()  # (their commit records go with them; their plan records rebuild them)
     for p in report.problems:
-        if p.kind != RECORD or p.unit in report.duplicated or p.unit in damaged:
+        if p.kind != RECORD or p.unit in report.duplicated:
             continue
         if p.file == f"units/{p.unit}/commit.json":
-            done += _rewrite_committed_samples(store, report.version, p.unit)
+            done += [] if p.unit in damaged else _rewrite_committed_samples(store, report.version, p.unit)
             continue
         if not p.file.startswith(f"{PLANS}/"):
             continue

@@ -19,8 +19,8 @@ from dflash_pipeline.order import LocalRunner, run_pipeline
 from dflash_pipeline.storage.discard import discard_units
 from dflash_pipeline.storage.reader import HiddenStateDataset
 from dflash_pipeline.storage.store import Store
-from tests.helpers import config
-from tests.integration.test_integrity import SMALL, U0, U1, _edit_json, _flip
+from tests.helpers import assert_same_store, config, snapshot
+from tests.integration.test_integrity import SMALL, U0, U1, _edit_json, _edit_plan, _flip, _swap_first_two
 
 
 @pytest.mark.parametrize(
@@ -141,3 +141,20 @@ def test_a_discard_that_cannot_delete_one_file_counts_and_names_that_file(small_
     finally:
         for p in (root / version / ".discarded").rglob("*"):
             subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+def test_a_damaged_plan_record_of_a_damaged_unit_is_still_rewritten_before_the_unit_is_rebuilt(
+    small_store, tmp_path, capsys
+):
+    """The rewrite of records of intact data leaves a damaged unit's commit record alone (the unit goes), never its
+    plan record: the unit is rebuilt from it, so a record its attributes contradict is rewritten first."""
+    root, version = tmp_path / "store", small_store.plan.version
+    shutil.copytree(small_store.store, root)
+    before = snapshot(Store(root), version)
+    _edit_plan(root / version, "u00001", _swap_first_two)
+    _flip(root / version / U1 / "hidden/c/0/0/0")
+    assert cli(["verify", str(root), "--version", version, "--unvalidated", "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert "rewrote plans/u00001.json" in out and "discarded 1 damaged unit of v0001 (u00001)" in out, out
+    _run(tmp_path, ["prepare", "extract", "validate"])
+    assert_same_store(before, snapshot(Store(root), version))
