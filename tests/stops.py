@@ -71,10 +71,16 @@ def final_picture(url: str, run_id, wall0: float, bound_s: float = TASKS_FINAL_B
         "SELECT data, description FROM artifact WHERE key LIKE 'run-summary-%' "
         f"AND flow_run_id = '{run_id}' ORDER BY created DESC LIMIT 1",
     )
+    first = _rows(
+        url,
+        "SELECT extract(epoch from min(timestamp)) AS t FROM flow_run_state WHERE type IN "
+        f"('COMPLETED', 'FAILED', 'CANCELLED', 'CRASHED') AND flow_run_id = '{run_id}'",
+    )[0]["t"]
     return {
         "state": name,
         "message": message,
         "final_s": at - wall0,
+        "first_final_s": float(first) - wall0,  # the first final state (a worker may set one again later)
         "tasks": tasks,
         "active": active,
         "counts": counts,

@@ -44,7 +44,8 @@ def test_a_cancel_during_training_looks_clean(pg_server, tmp_path):
         _end(lp, [run_id])
     train = [t for t in p["tasks"] if t["name"].startswith("train drafter")]
     print(
-        f"cancel during training: Cancelled {p['final_s']:.1f} s after the cancel, task runs final "
+        f"cancel during training: Cancelled {p['first_final_s']:.1f} s after the cancel (set again by the worker "
+        f"at {p['final_s']:.1f} s), task runs final "
         f"{p['tasks_after_flow_s']:+.1f} s from it: {p['counts']}"
     )
     assert p["state"] == "Cancelled" and p["final_s"] < CANCELLED_BOUND_S, p
@@ -84,3 +85,32 @@ def test_a_killed_flow_run_process_leaves_no_task_running(pg_server, tmp_path):
     assert_no_task_left(p)
     train = [t for t in p["tasks"] if t["name"].startswith("train drafter")]
     assert [t["state"] for t in train] == ["Crashed"] and "while it ran" in (train[0]["message"] or ""), train
+
+
+@pytest.mark.load
+def test_serve_stopped_by_ctrl_c_mid_training_ends_the_run_and_its_tasks(postgres, model_dir, tmp_path):
+    """Ctrl-C (SIGINT) of `serve` while its run trains, as test_postgres.py's SIGTERM: the run ends Crashed by its own
+    hand ("serve was stopped"), every task run with it, the checkpoint saved at the stop and the summary published."""
+    from tests.serving import serve
+
+    url = postgres.create_database("ctrl_c")
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "a"
+    with serve(home, database=url) as lp:
+        run_id = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(out)})
+        _training(lp, run_id)
+        wall0 = time.time()
+        lp.serve_proc.send_signal(signal.SIGINT)
+        assert lp.serve_proc.wait(timeout=90) == 0
+    p = final_picture(url, run_id, wall0)
+    print(
+        f"serve Ctrl-C: {p['state']} {p['final_s']:.1f} s after the signal, task runs final "
+        f"{p['tasks_after_flow_s']:+.1f} s from it: {p['counts']}"
+    )
+    assert p["state"] == "Crashed" and "serve was stopped" in p["message"], p
+    assert_no_task_left(p)
+    summary = p["summary"] or ""
+    assert summary.startswith("# Run summary: CRASHED at train-drafter") and "serve was stopped" in summary, summary
+    assert list((out / "drafter" / "checkpoints").glob("step-*")), "no checkpoint at serve's Ctrl-C"
+    assert "Ctrl-C: stopping" in (home / "serve.out").read_text()
