@@ -188,11 +188,15 @@ def watch_worker() -> None:
 
 
 def _silence_console() -> None:
-    """Point stdout and stderr at /dev/null (their reader is gone)."""
+    """Point stdout and stderr at /dev/null where they are pipes (to the worker, their reader, gone); a file or a
+    terminal stays."""
+    import stat
+
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):
-            os.dup2(devnull, fd)
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.dup2(devnull, fd)
         os.close(devnull)
     except OSError:
         pass
