@@ -84,6 +84,7 @@ def preflight(cfg: RunConfig, what_if: bool = False) -> None:
     from dflash_pipeline.embedded.build import check_home
     from dflash_pipeline.extraction.layers import select_layer_ids
     from dflash_pipeline.extraction.modelfiles import read_model_config, weight_files
+    from dflash_pipeline.extraction.probe import text_config
     from dflash_pipeline.extraction.tokenizer import check_tokenizer_dir
 
     if not cfg.stages:
@@ -95,10 +96,10 @@ def preflight(cfg: RunConfig, what_if: bool = False) -> None:
         _writable_dir(_local(cfg.store_path), "store_path")
     embedded = cfg.target.model_path == EMBEDDED
     # the embedded target's layers are those of its shipped config (building it takes seconds: the probe does)
-    mc = read_model_config(str(SHIPPED_TARGET) if embedded else _local(cfg.target.model_path))  # names the fix
-    text = mc.get("text_config") or mc
-    if "num_hidden_layers" in text:
-        select_layer_ids(cfg.layers, int(text["num_hidden_layers"]), announce=False)  # the probe logs
+    target_dir = str(SHIPPED_TARGET) if embedded else _local(cfg.target.model_path)
+    mc = read_model_config(target_dir)  # names the fix
+    # a config without the model's dimensions is named here, before Prefect starts (the probe says the same)
+    select_layer_ids(cfg.layers, text_config(mc, target_dir)["num_hidden_layers"], announce=False)  # the probe logs
     tok = cfg.target.tokenizer_path and _local(cfg.target.tokenizer_path)
     if tok and cfg.target.tokenizer_path != "embedded" and not os.path.isdir(tok):
         raise ConfigError(

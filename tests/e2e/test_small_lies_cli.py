@@ -36,10 +36,12 @@ def _cli(cwd: Path, *args: str) -> subprocess.Popen:
     )
 
 
-def test_a_target_config_json_of_nothing_is_one_error_line(model_dir, tmp_path):
+@pytest.mark.parametrize("config", ["{}", '{"num_hidden_layers": "eight", "hidden_size": 64}'])
+def test_a_target_config_json_of_nothing_is_one_error_line(model_dir, tmp_path, config):
+    """Named in one line before Prefect starts (the pre-flight check reads the layer count), not as a traceback."""
     target = tmp_path / "target"
     shutil.copytree(model_dir, target)
-    (target / "config.json").write_text("{}")
+    (target / "config.json").write_text(config)
     p = _cli(tmp_path, f"--set=target.model_path={target}", "--set=output_dir=out", '--set=stages=["probe"]')
     rc = p.wait(timeout=300)
     out = (tmp_path / "cli.out").read_text()
