@@ -29,6 +29,11 @@ WHEELS=(zarr==3.1.6 donfig==0.8.1.post1 numcodecs==0.16.6 google-crc32c==1.9.0 p
 # them (common.publish_store), and bench/realtext/pipeline.py runs the prepare stage on the GPU host.
 DATASETS_WHEELS=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0)
 WHEELS+=("${DATASETS_WHEELS[@]}")
+# speculators' DFlash trainer and z-lab's reference decoder (issue 48, bench/realtext/speculators_run.py, chain.sh's
+# RT_SPECULATORS=1; docs/INTEROP.md), without their pins (they clash with the image's), and what they import that the
+# image lacks: openai 2.x (on httpx, which the image has; 3.x needs httpx2), loguru, pydantic-settings
+SPECULATORS_WHEELS=(speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 loguru==0.7.3 openai==2.54.0 distro==1.9.0
+                    jiter==0.19.0 sniffio==1.3.1 pydantic-settings==2.16.3 python-dotenv==1.2.4)
 WHEEL_DIR=${WHEEL_DIR:-.whl}
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -36,7 +41,7 @@ mkdir -p "$OUT"
 if [[ ${1:-} == wheels ]]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
   # realtext: no fla-core (the real-text runs use transformers' own Gated DeltaNet: no Triton warm-up)
-  [[ ${2:-} == realtext ]] && WHEELS=("${WHEELS[@]/fla-core==*/}")
+  [[ ${2:-} == realtext ]] && WHEELS=("${WHEELS[@]/fla-core==*/}" "${SPECULATORS_WHEELS[@]}")
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$WHEEL_DIR" ${WHEELS[@]}
@@ -151,9 +156,16 @@ for step in "$@"; do
       # the levers' rows and loss histories likewise (RT_LEVERS=1)
       l=../runs/realtext/levers; cp "$l"/*.json "$l"/*.jsonl /tmp/rt-out/ 2>/dev/null || true
       for m in "$l"/drafter-*/metrics.json; do [[ -e $m ]] && cp "$m" "/tmp/rt-out/levers-$(basename "$(dirname "$m")").json"; done
+      # speculators' trainer (RT_SPECULATORS=1): its logs and resolved config per seed, each converted drafter's figures
+      for d in "$l"/speculators-seed*/; do [[ -d $d ]] || continue; n=$(basename "$d")
+        cp "$d/train_log.txt" "/tmp/rt-out/${n}_train_log.txt" 2>/dev/null || true
+        cp "$d/run.yaml" "/tmp/rt-out/${n}_run.yaml" 2>/dev/null || true; done
+      for m in "$l"/drafter-speculators-seed*/export/dflash_meta.json; do
+        [[ -e $m ]] && cp "$m" "/tmp/rt-out/meta-$(basename "$(dirname "$(dirname "$m")")").json" || true; done
       tar -czf "$OUT/rt.tar.gz" -C /tmp/rt-out . && echo "results: rt.tar.gz ($(ls /tmp/rt-out | wc -l) files)"
       # (set -e: a log the chain has not reached yet must not fail the step, as it once did: rc 1)
-      for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 levers_table:14 agreement_log:3; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
+      for f in target_log:5 store_log:3 pipeline_log:12 precision_table:30 levers_table:14 agreement_log:3 \
+               speculators_prepare_log:2 speculators_seed0_log:2 speculators_seed1_log:2 speculators_seed2_log:2; do tail -"${f#*:}" "/tmp/rt/${f%:*}.txt" 2>/dev/null || true; done ;;
     # Issue 30 in one detached chain (bench/train3_chain.sh: query groups and packing against the defaults, ten minutes
     # of the fastest, the 27B-shape drafter; T3_BUDGET_S: a deadline in seconds from its start);
     # `train3-wait`, run later on the same machine (SKIP_INSTALL=1), waits up to T3_WAIT s and packs /tmp/t3 into

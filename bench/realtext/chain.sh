@@ -8,7 +8,12 @@
 #        RT_PREC_SEEDS, precision), RT_PREC_STEPS steps each, evaluated on RT_PREC_PROMPTS prompts (precision.py;
 #        one process each, all at once, each its own DFLASH_LOCK_DIR: they share the GPU on purpose);
 #      - with RT_LEVERS=1: a drafter per (seed in RT_LEVER_SEEDS, variant in RT_LEVER_VARIANTS), as many samples as
-#        RT_LEVER_STEPS baseline steps, side by side in the same way (levers.py).
+#        RT_LEVER_STEPS baseline steps, side by side in the same way (levers.py);
+#      - then, with RT_SPECULATORS=1: speculators' DFlash trainer with its own defaults on the same store (export-states;
+#        it needs layers.capture_last=true in RT_SET), the same samples, one process per seed in RT_LEVER_SEEDS side by
+#        side, each result converted (import-drafter) and scored on the same prompts by our decoder and z-lab's
+#        (speculators_run.py; its rows join levers.py's table as variant `speculators`; RT_SPEC_TRAINER_ARGS: more flags
+#        for its trainer).
 # Logs and reports under /tmp/rt; /tmp/rt/done when everything ended. Run from the repository root.
 set -x
 echo $$ > /tmp/rt/pid  # realtext-wait waits on this process (device.sh writes it too)
@@ -81,6 +86,23 @@ if [[ ${RT_LEVERS:-0} == 1 ]]; then
   wait "${pids[@]}"
   unset OMP_NUM_THREADS
   python3 bench/realtext/levers.py report "${lv[@]}" > /tmp/rt/levers_table.txt 2>&1
+  cp runs/realtext/levers/levers.json /tmp/rt/ || true
+fi
+# RT_SPECULATORS=1: speculators' trainer beside ours (issue 48 item 2; bench/realtext/speculators_run.py, docs/INTEROP.md)
+if [[ ${RT_SPECULATORS:-0} == 1 ]]; then
+  sp=(--out runs/realtext/levers $samples --set "evaluate.num_prompts=${RT_PREC_PROMPTS:-30}" --steps "${RT_LEVER_STEPS:-2000}")
+  if python3 bench/realtext/speculators_run.py prepare "${sp[@]}" > /tmp/rt/speculators_prepare_log.txt 2>&1; then
+    export OMP_NUM_THREADS=${RT_PREC_THREADS:-2}
+    pids=()
+    for s in ${RT_LEVER_SEEDS:-0 1 2}; do
+      DFLASH_LOCK_DIR=/tmp/rt-locks-sp-$s python3 bench/realtext/speculators_run.py seed "${sp[@]}" --seed $s \
+        --spec-args "${RT_SPEC_TRAINER_ARGS:-}" > /tmp/rt/speculators_seed${s}_log.txt 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    unset OMP_NUM_THREADS
+  fi
+  python3 bench/realtext/levers.py report --out runs/realtext/levers > /tmp/rt/levers_table.txt 2>&1
   cp runs/realtext/levers/levers.json /tmp/rt/ || true
 fi
 wait $main

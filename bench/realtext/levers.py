@@ -69,17 +69,35 @@ def cmd_train(args) -> int:
         row = run_row(args.config, overrides_for(args, "full", extra), "full", args.seed)
         row |= {"variant": name, "change": change, "steps": steps, "samples": steps * samples_per_step(change, sets)}
         row["wall_s_contended"] = round(time.monotonic() - t0, 1)
+        row |= trainer_figures(args.out / f"drafter-{name}-seed{args.seed}")
         with rows_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"seed {args.seed} {name}: tau {row['acceptance_length']} after {row['samples']} samples", flush=True)
     return 0
 
 
+def trainer_figures(drafter: Path) -> dict:
+    """The training's wall seconds and tokens/s (its metrics.json) and the reference decoder's acceptance (the
+    export's dflash_meta.json, with evaluate.decoder=both), as speculators_run.py's rows have them."""
+    try:
+        metrics = json.loads((drafter / "metrics.json").read_text())
+        acceptance = json.loads((drafter / "export" / "dflash_meta.json").read_text()).get("acceptance") or {}
+    except (OSError, ValueError):
+        return {}
+    return {
+        "train_elapsed_s": metrics.get("elapsed_s"),
+        "train_tokens_per_s": metrics.get("tokens_per_s"),
+        "reference_acceptance_length": acceptance.get("reference_acceptance_length"),
+        "decoder_agreement": acceptance.get("decoder_agreement"),
+    }
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per variant: acceptance over seeds (mean, min, max), and its paired difference from the baseline."""
+    """Per variant: acceptance over seeds (mean, min, max), and its paired difference from the baseline. Variants
+    not in VARIANTS (speculators_run.py's `speculators`: another trainer) follow them."""
     base = {r["seed"]: r["acceptance_length"] for r in rows if r["variant"] == "baseline"}
     table = []
-    for name in VARIANTS:
+    for name in [*VARIANTS, *sorted({r["variant"] for r in rows} - set(VARIANTS))]:
         mine = sorted((r for r in rows if r["variant"] == name), key=lambda r: r["seed"])
         if not mine:
             continue
@@ -102,6 +120,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         reference = [r.get("reference_acceptance_length") for r in mine if r.get("reference_acceptance_length")]
         if reference:
             entry["reference_tau_mean"] = statistics.mean(reference)
+            entry["reference_tau_min"], entry["reference_tau_max"] = min(reference), max(reference)
+        # tokens/s while training: ours over its training loop (metrics.json); speculators' the median of its per-step
+        # figure (its wall time also holds start-up, compilation and a validation pass)
+        rates = [r.get("train_tokens_per_s_steps") or r.get("train_tokens_per_s") for r in mine]
+        walls = [r["train_elapsed_s"] for r in mine if r.get("train_elapsed_s")]
+        if walls:
+            entry["train_elapsed_s_mean"] = statistics.mean(walls)
+        if all(rates) and rates:
+            entry["train_tokens_per_s_mean"] = statistics.mean(rates)
         table.append(entry)
     return table
 
@@ -109,13 +136,23 @@ def summarize(rows: list[dict]) -> list[dict]:
 def cmd_report(args) -> int:
     rows = [json.loads(line) for p in sorted(args.out.glob("runs-seed*.jsonl")) for line in p.read_text().splitlines()]
     table = summarize(rows)
-    print("| variant | tau mean | min | max | samples | paired vs baseline | wins outside the spread |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| variant | tau mean | min | max | samples | paired vs baseline | wins outside the spread | reference decoder "
+        "tau (min-max) | train min | train tokens/s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in table:
         diffs = ", ".join(f"{d:+.3f}" for d in t["paired_vs_baseline"])
+        ref = (
+            f"{t['reference_tau_mean']:.3f} ({t['reference_tau_min']:.3f}-{t['reference_tau_max']:.3f})"
+            if "reference_tau_mean" in t
+            else "-"
+        )
+        minutes = f"{t['train_elapsed_s_mean'] / 60:.1f}" if "train_elapsed_s_mean" in t else "-"
+        rate = f"{t['train_tokens_per_s_mean']:.0f}" if "train_tokens_per_s_mean" in t else "-"
         print(
             f"| {t['variant']} | {t['tau_mean']:.3f} | {t['tau_min']:.3f} | {t['tau_max']:.3f} | {t['samples']} | "
-            f"{diffs} | {t.get('wins', '-')} |"
+            f"{diffs} | {t.get('wins', '-')} | {ref} | {minutes} | {rate} |"
         )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
