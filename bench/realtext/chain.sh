@@ -19,11 +19,15 @@ set -x
 echo $$ > /tmp/rt/pid  # realtext-wait waits on this process (device.sh writes it too)
 # RT_SET: more overrides for every run, e.g. a CPU rehearsal's "--set regenerate.max_new_tokens=24 ..."
 samples="--set data.max_samples=${RT_SAMPLES:-1792} ${RT_SET:-}"
+# RT_REUSE=1: keep the target and store of an earlier chain on this machine (a later block alone, e.g. RT_SPECULATORS=1
+# again; a new target would make the store refuse its states)
+if [[ ${RT_REUSE:-0} != 1 ]]; then
 (cd bench && python3 realtext/train_target.py --out ../runs/realtext --minutes "${RT_MINUTES:-4.0}" ${RT_TARGET_ARGS:-}) \
   > /tmp/rt/target_log.txt 2>&1
 python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
   --stages regenerate,prepare,probe,extract,validate --report /tmp/rt/store_report.json > /tmp/rt/store_log.txt 2>&1 \
   || { echo "the store pipeline failed: /tmp/rt/store_log.txt"; exit 1; }  # nothing after it has data to work on
+fi
 # RT_MAIN=0: the precision table alone (no 10-minute drafter, no agreement): the precision runs get the GPU
 [[ ${RT_MAIN:-1} == 1 ]] && (
   python3 bench/realtext/pipeline.py --config configs/realtext.yaml --deadline-s 99999 $samples \
