@@ -117,6 +117,16 @@ def machine() -> str:
     return f"{platform.node()} ({platform.processor() or platform.machine()}), torch {torch.__version__}"
 
 
+def provenance() -> dict:
+    """When, where and by which command a result file was written: the head of every table's JSON."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/precision_quality")
@@ -152,9 +162,7 @@ def main() -> int:
     table = summarize(rows, precisions)
     print_table(table)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **provenance(),
         "runs": rows,
         "summary": table,
     }

@@ -19,12 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from precision import overrides_for  # noqa: E402
-from precision_quality import machine, run_row  # noqa: E402
+from precision_quality import provenance, run_row  # noqa: E402
 
 # One change each from today's defaults (drafter/config.py TrainConfig); `baseline` is the defaults themselves.
 VARIANTS: dict[str, dict] = {
@@ -155,10 +153,7 @@ def cmd_report(args) -> int:
             f"{diffs} | {t.get('wins', '-')} | {ref} | {minutes} | {rate} |"
         )
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **provenance(),
         "summary": table,
         "runs": rows,
     }

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from precision_quality import machine, print_table, run_row, summarize  # noqa: E402
+from precision_quality import print_table, provenance, run_row, summarize  # noqa: E402
 
 PRECISIONS = ("full", "fp8", "int8", "int4")
 
@@ -198,10 +198,7 @@ def cmd_report(args) -> int:
                 f"{r['worst_token_rel_l2']:.4f} | {r['top1_over_median']:.1f} |"
             )
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **provenance(),
         "summary": table,
         "paired_vs_full": paired,
         "errors": errors,
