@@ -138,6 +138,8 @@ def dflash_pipeline(
             raise_if_stopped()  # dropped during the last stage: the run ends stopped, not completed
     except BaseException as e:  # Ctrl-C, SIGTERM, a cancelled run, a failed stage: no worker outlives the run
         stop = stop_of(e)
+        if stop is not None:
+            _finish_the_stop_first()
         if stop is not None and stop.state == "Cancelled":
             IntendedStopLines.active = True  # a stop someone asked for: no ERROR line or traceback in the UI
         stopped = procs.stop_workers()
@@ -164,6 +166,21 @@ def dflash_pipeline(
     except Exception as err:  # noqa: BLE001
         run_logger().warning("could not publish the run summary: %s", err)
     return summary
+
+
+def _finish_the_stop_first() -> None:
+    """In a worker's flow run that is stopping: a further SIGTERM (the dead worker's watcher, the worker's own kill
+    after its cancel) no longer interrupts the stop's own work (its summary, its task runs, its final state): it
+    made the run end with Prefect's "Execution was aborted by a termination signal" instead. The CLI's run keeps its
+    second signal's stop at once (runguard)."""
+    import signal
+    import threading
+
+    from dflash_pipeline import runguard
+
+    if getattr(runguard, "_guarding", False) or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
 
 
 def _why(e: BaseException) -> str:

@@ -189,7 +189,8 @@ def stop_of(e: BaseException | None) -> Stop | None:
     if gone is not None:
         from dflash_pipeline import runguard
 
-        end = f" ({runguard.worker_end})" if getattr(runguard, "worker_end", None) else ""
+        how = getattr(runguard, "worker_end", None) or runguard.exit_of(gone)  # (before its watcher, if need be)
+        end = f" ({how})" if how else ""
         return Stop("Crashed", f"the worker process died{end} (the Prefect worker, pid {gone}, that ran this flow run)")
     if isinstance(e, (TerminationSignal, CancelledRun)) or type(e).__name__ == "CrashedRun":
         return Stop("Crashed", "the flow-run process was sent SIGTERM (by its worker, or from outside)")

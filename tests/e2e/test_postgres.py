@@ -264,7 +264,7 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
     killed = lp.run_deployment("full", {**LONG_TRAINING, "output_dir": str(tmp_path / "a")})
     run_procs, nxt = set(), None
     try:
-        fr = _training(lp, killed, stage="prepare")  # mid-run: the flow runs its stages (the slow ones: load tests)
+        fr = _training(lp, killed)  # mid-run: training (issue 50: where a dead worker's run hung, its console broken)
         flow_proc = int(fr.infrastructure_pid)
         run_procs = {flow_proc, *descendants(flow_proc)}
         # submitted once the first holds the slot (submitted together, either may take it first)
@@ -286,6 +286,7 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
             f"run took the slot {slot_s:.1f} s and was Running {next_s:.1f} s after the kill"
         )
         assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
+        assert "the worker process died (SIGKILL)" in message, message  # the run's own end, not serve's fallback
         assert slot_s < NEXT_RUN_BOUND_S and next_s < NEXT_RUNNING_BOUND_S, (slot_s, next_s)
         # issue 50: no task run left Running, and the summary says what happened, in words, and what resumes it
         p = final_picture(lp.database_url, killed, wall0)
@@ -293,8 +294,10 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
         assert_no_task_left(p)
         summary = p["summary"] or ""
         assert summary.startswith("# Run summary: CRASHED at "), summary
-        assert "the worker process died" in summary and "dflash-pipeline/full" in summary, summary
+        assert "the worker process died (SIGKILL)" in summary and "dflash-pipeline/full" in summary, summary
         assert "SystemExit" not in summary, summary
+        assert summary.startswith("# Run summary: CRASHED at train-drafter"), summary
+        assert list((tmp_path / "a" / "drafter" / "checkpoints").glob("step-*")), "no checkpoint at the worker's death"
         api(lp, lambda client: client.set_flow_run_state(nxt, Cancelling()))  # the new worker stops its run
         (done,) = wait_final(lp, [nxt], timeout=120)
         assert done.state.is_cancelled(), done.state
