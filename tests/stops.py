@@ -8,7 +8,7 @@ import json
 import time
 
 
-def _rows(url: str, sql: str) -> list:
+def db_rows(url: str, sql: str) -> list:
     import asyncpg
 
     async def go():
@@ -21,12 +21,14 @@ def _rows(url: str, sql: str) -> list:
     return asyncio.run(go())
 
 
-def _db_state(url: str, run_id) -> tuple[str, float, str]:
+def db_state(url: str, run_id) -> tuple[str, float, str]:
+    """(state name, epoch seconds of that state, its message) of a flow run, read from PostgreSQL itself (the server
+    may be down)."""
     sql = (
         "SELECT s.name, extract(epoch from s.timestamp) AS t, s.message FROM flow_run f JOIN flow_run_state s "
         f"ON s.id = f.state_id WHERE f.id = '{run_id}'"
     )
-    (row,) = _rows(url, sql)
+    (row,) = db_rows(url, sql)
     return row["name"], float(row["t"]), row["message"] or ""
 
 
@@ -44,7 +46,7 @@ def task_runs(url: str, run_id) -> list[dict]:
         "s.message FROM task_run t LEFT JOIN task_run_state s ON s.id = t.state_id "
         f"WHERE t.flow_run_id = '{run_id}' ORDER BY t.state_timestamp"
     )
-    return [{**dict(r), "t": float(r["t"])} for r in _rows(url, sql)]
+    return [{**dict(r), "t": float(r["t"])} for r in db_rows(url, sql)]
 
 
 def final_picture(url: str, run_id, wall0: float, bound_s: float = TASKS_FINAL_BOUND_S) -> dict:
@@ -52,7 +54,7 @@ def final_picture(url: str, run_id, wall0: float, bound_s: float = TASKS_FINAL_B
     then: the flow run's state, message and seconds from `wall0`, the task runs, their state counts, the seconds from
     the flow run's final state to the last task run's, and the run-summary artifact (its markdown)."""
     deadline = time.monotonic() + 300
-    while (flow := _db_state(url, run_id))[0] not in ("Completed", "Failed", "Cancelled", "Crashed"):
+    while (flow := db_state(url, run_id))[0] not in ("Completed", "Failed", "Cancelled", "Crashed"):
         assert time.monotonic() < deadline, flow
         time.sleep(0.5)
     name, at, message = flow
@@ -66,12 +68,12 @@ def final_picture(url: str, run_id, wall0: float, bound_s: float = TASKS_FINAL_B
     counts: dict[str, int] = {}
     for t in tasks:
         counts[t["state"]] = counts.get(t["state"], 0) + 1
-    summary = _rows(
+    summary = db_rows(
         url,
         "SELECT data, description FROM artifact WHERE key LIKE 'run-summary-%' "
         f"AND flow_run_id = '{run_id}' ORDER BY created DESC LIMIT 1",
     )
-    first = _rows(
+    first = db_rows(
         url,
         "SELECT extract(epoch from min(timestamp)) AS t FROM flow_run_state WHERE type IN "
         f"('COMPLETED', 'FAILED', 'CANCELLED', 'CRASHED') AND flow_run_id = '{run_id}'",
@@ -91,7 +93,7 @@ def final_picture(url: str, run_id, wall0: float, bound_s: float = TASKS_FINAL_B
 
 def run_logs(url: str, run_id) -> list[dict]:
     sql = f"SELECT level, name, message FROM log WHERE flow_run_id = '{run_id}' ORDER BY timestamp, id"
-    return [dict(r) for r in _rows(url, sql)]
+    return [dict(r) for r in db_rows(url, sql)]
 
 
 def assert_no_task_left(p: dict) -> None:

@@ -20,7 +20,7 @@ from dflash_pipeline.tasks.common import artifact_key
 from tests.e2e.conftest import FULL_TINY
 from tests.proctree import alive, descendants, wait_gone
 from tests.serving import DB_ERRORS, SMALL, STORE_BUSY, TINY_TRAINING, api, free_port, logs, run_load, wait_final
-from tests.stops import assert_no_task_left, final_picture
+from tests.stops import assert_no_task_left, db_rows, db_state, final_picture
 
 
 def test_serve_names_an_unreachable_database_and_the_fix(tmp_path):
@@ -37,19 +37,6 @@ def test_serve_names_an_unreachable_database_and_the_fix(tmp_path):
     assert err.startswith(f"error: the database {url.replace('postgresql:', 'postgresql+asyncpg:')}"[:30]), err
     assert "prefect:***@127.0.0.1" in err and "Start PostgreSQL" in err, err
     assert not (tmp_path / "logs").exists()  # no server was started
-
-
-def _rows(url: str, sql: str) -> list:
-    import asyncpg
-
-    async def go():
-        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
-        try:
-            return await conn.fetch(sql)
-        finally:
-            await conn.close()
-
-    return asyncio.run(go())
 
 
 def test_a_full_deployment_run_on_postgres(pg_full_run):
@@ -90,7 +77,7 @@ def test_a_full_deployment_run_on_postgres(pg_full_run):
     assert cli_main(["verify", str(out / "store")]) == 0
     assert (out / "drafter" / "export" / "config.json").exists()
 
-    rows = _rows(lp.database_url, f"SELECT state_name FROM flow_run WHERE id = '{fr.id}'")
+    rows = db_rows(lp.database_url, f"SELECT state_name FROM flow_run WHERE id = '{fr.id}'")
     assert [r["state_name"] for r in rows] == ["Completed"]
     assert not list(lp.home.glob("*.db")), list(lp.home.iterdir())  # no SQLite database was made
     bad = [line for line in logs(lp)["server.log"].splitlines() if DB_ERRORS.search(line)]
@@ -140,21 +127,10 @@ NEXT_RUNNING_BOUND_S = 120.0
 CRASHED_BOUND_S = 60.0  # ... and the killed run is Crashed in the database within this
 
 
-def _db_state(url: str, run_id) -> tuple[str, float, str]:
-    """(state name, epoch seconds of that state, its message) of a flow run, read from PostgreSQL itself (the server
-    may be down)."""
-    sql = (
-        "SELECT s.name, extract(epoch from s.timestamp) AS t, s.message FROM flow_run f JOIN flow_run_state s "
-        f"ON s.id = f.state_id WHERE f.id = '{run_id}'"
-    )
-    (row,) = _rows(url, sql)
-    return row["name"], float(row["t"]), row["message"] or ""
-
-
 def _pending_at(url: str, run_id) -> float | None:
     """Epoch seconds of the run's last Pending state: when a worker took it and it got its deployment's slot."""
     sql = f"SELECT extract(epoch from max(timestamp)) AS t FROM flow_run_state WHERE flow_run_id = '{run_id}' "
-    t = _rows(url, sql + "AND type = 'PENDING'")[0]["t"]
+    t = db_rows(url, sql + "AND type = 'PENDING'")[0]["t"]
     return None if t is None else float(t)
 
 
@@ -164,7 +140,7 @@ def _slot(url: str) -> int:
         "SELECT c.active_slots FROM deployment d JOIN concurrency_limit_v2 c ON c.id = d.concurrency_limit_id "
         "WHERE d.name = 'full'"
     )
-    return _rows(url, sql)[0]["active_slots"]
+    return db_rows(url, sql)[0]["active_slots"]
 
 
 def _training(lp, run_id, timeout: float = 400, stage: str = "train drafter"):
@@ -280,7 +256,7 @@ def test_a_killed_worker_crashes_its_run_and_frees_the_slot(pg_server, tmp_path)
         assert started.start_time, f"the next run did not start: {started.state}"
         next_s = started.start_time.timestamp() - wall0
         slot_s = _pending_at(lp.database_url, nxt) - wall0
-        name, at, message = _db_state(lp.database_url, killed)
+        name, at, message = db_state(lp.database_url, killed)
         print(
             f"worker SIGKILL: run processes gone {gone_s:.1f} s, Crashed {at - wall0:.1f} s ({message}); the next "
             f"run took the slot {slot_s:.1f} s and was Running {next_s:.1f} s after the kill"
@@ -333,7 +309,7 @@ def test_serve_killed_or_stopped_mid_run_leaves_nothing_stuck(postgres, model_di
         left = wait_gone(procs, timeout=30)
         timings["sigterm: every process gone"] = time.time() - wall0
         assert not left, left
-    name, at, message = _db_state(url, first)
+    name, at, message = db_state(url, first)
     timings["sigterm: Crashed"] = at - wall0
     assert name == "Crashed" and at - wall0 < CRASHED_BOUND_S, (name, at - wall0, message)
     assert _slot(url) == 0
@@ -369,13 +345,13 @@ def test_serve_killed_or_stopped_mid_run_leaves_nothing_stuck(postgres, model_di
     with serve(home, database=url) as lp:
         lp.database_url = url
         ready = time.time()
-        name, at, message = _db_state(url, second)
+        name, at, message = db_state(url, second)
         timings["sigkill: Crashed, from the next serve's ready banner (<0: before)"] = at - ready
         assert name == "Crashed" and "killed" in message, (name, message)
         p = final_picture(url, second, at)  # issue 50: its task runs too, with the flow run
         timings["sigkill: task runs final after the flow run"] = p["tasks_after_flow_s"]
         assert_no_task_left(p)
-        (row,) = _rows(url, f"SELECT name FROM flow_run WHERE id = '{second}'")
+        (row,) = db_rows(url, f"SELECT name FROM flow_run WHERE id = '{second}'")
         assert f"flow run {row['name']} ({second}) was left RUNNING" in (home / "serve.out").read_text()
         third = lp.run_deployment("full", {**FULL_TINY, "output_dir": str(tmp_path / "c")})
         fr = _started(lp, third, timeout=NEXT_RUNNING_BOUND_S)
@@ -404,12 +380,12 @@ def test_a_run_without_heartbeats_is_crashed_by_the_zombie_automation(pg_server,
     pid = int(fr.infrastructure_pid)
     try:
         time.sleep(ZOMBIE_WITHIN_S + HEARTBEAT_S)
-        name, _, _ = _db_state(lp.database_url, run_id)
+        name, _, _ = db_state(lp.database_url, run_id)
         assert name == "Running", name  # a live run is never taken for a zombie
         wall0 = time.time()
         os.killpg(pid, signal.SIGSTOP)
         deadline = time.monotonic() + ZOMBIE_WITHIN_S + HEARTBEAT_S + 60
-        while (state := _db_state(lp.database_url, run_id))[0] != "Crashed":
+        while (state := db_state(lp.database_url, run_id))[0] != "Crashed":
             assert time.monotonic() < deadline, state
             time.sleep(2)
         print(f"zombie automation: Crashed {state[1] - wall0:.1f} s after the run froze ({state[2]})")
