@@ -270,7 +270,7 @@ def cmd_export_states(args: argparse.Namespace) -> int:
     try:
         opts = json.loads(args.store_options) if args.store_options else None
         export_states(args.store, args.out, args.format, args.version, args.dtype, args.restart, opts)
-    except (PipelineError, ValueError) as e:
+    except (PipelineError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -282,7 +282,7 @@ def cmd_import_drafter(args: argparse.Namespace) -> int:
 
     try:
         out = import_speculators(args.checkpoint, args.out, args.target, args.epoch)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

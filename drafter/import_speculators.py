@@ -74,15 +74,34 @@ def checkpoint_dir(path: str | Path, epoch: str | None = None) -> Path:
 
 
 def _target_config(target: str | Path) -> dict[str, Any]:
+    """The target's language-model config: every dimension the conversion reads, as positive integers, or an error
+    naming its config.json."""
+    from dflash_pipeline.extraction.probe import text_config
+
     f = Path(target) / CONFIG
     try:
         cfg = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{f}: cannot read the target's config ({e}); --target is the target model's directory") from e
-    return cfg.get("text_config") or cfg
+    return text_config(cfg, str(target))
 
 
-def _layer_config(tl: dict[str, Any], where: str):
+def _check_out(out: Path, ckpt: Path, target: str | Path) -> None:
+    """The export replaces `out` whole: refuse a directory that is not an earlier export, or one that is (or holds)
+    the checkpoint or the target."""
+    o = out.resolve()
+    for name, keep in (("the checkpoint", ckpt.resolve()), ("its --save-path", ckpt.resolve().parent),
+                       ("the target", Path(target).resolve())):  # fmt: skip
+        if o == keep or o in keep.parents:
+            raise ValueError(f"{out} is {name} or holds it ({keep}): give a new directory for the export")
+    if o.exists() and not (o / "dflash_meta.json").is_file():
+        raise ValueError(
+            f"{out} exists and is not an earlier export (no dflash_meta.json): the export would replace it whole; "
+            "give a new directory, or delete this one first"
+        )
+
+
+def _layer_config(tl: dict[str, Any]):
     """speculators saves transformer_layer_config as a diff from its class's defaults: rebuild the whole config
     the way its DFlashSpeculatorConfig does (the class named by model_type, Qwen3Config without one)."""
     from transformers import AutoConfig
@@ -121,7 +140,7 @@ def spec_from_speculators(cfg: dict[str, Any], target: dict[str, Any], where: st
         )
     if "transformer_layer_config" not in cfg:
         raise ValueError(f"{where}: no transformer_layer_config: not a speculators DFlash config")
-    c = _layer_config(cfg["transformer_layer_config"], where)
+    c = _layer_config(cfg["transformer_layer_config"])
     n_target = int(target["num_hidden_layers"])
     h = int(c.hidden_size)
     if h != int(target["hidden_size"]) or cfg.get("target_hidden_size") not in (None, h):
@@ -211,6 +230,7 @@ def import_speculators(
     if not target:
         raise ValueError(f"{cfg_path}: no speculators_config.verifier.name_or_path: pass --target (the target model)")
     spec = spec_from_speculators(cfg, _target_config(target), str(cfg_path))
+    _check_out(Path(out), ckpt, target)
     if not weights_path.is_file():
         raise ValueError(f"{weights_path}: missing (the checkpoint's weights; was its save interrupted?)")
     tensors = load_file(str(weights_path))

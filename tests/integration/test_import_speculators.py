@@ -190,9 +190,34 @@ def test_refusals_of_weights_and_paths(model_dir, tmp_path):
         import_speculators(ckpt, tmp_path / "export", target=model_dir)
     other = tmp_path / "other_target"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 8, "vocab_size": 955}))
+    (other / "config.json").write_text(
+        json.dumps({"hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "vocab_size": 955})
+    )
     with pytest.raises(ValueError, match="hidden_size 64 .* the target's is 128"):
         import_speculators(ckpt, tmp_path / "export", target=other)
+    (other / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="config.json does not give num_hidden_layers"):
+        import_speculators(ckpt, tmp_path / "export", target=other)
+
+
+def test_the_export_never_replaces_the_checkpoint_the_target_or_another_directory(model_dir, tmp_path):
+    """The export replaces its directory whole: naming the checkpoint, its --save-path, the target or any directory
+    that is not an earlier export is refused before anything is written, and every file there stays."""
+    from dflash_pipeline.cli import main
+
+    ckpt = _save_as_their_trainer(_their_model(model_dir), tmp_path / "ckpt")
+    before = sorted(p for p in tmp_path.rglob("*"))
+    for out in (ckpt, ckpt.parent, Path(model_dir), tmp_path):
+        with pytest.raises(ValueError, match="give a new directory"):
+            import_speculators(ckpt, out, target=model_dir)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    assert main(["import-drafter", str(ckpt), str(notes), "--target", model_dir]) == 2
+    assert (notes / "keep.txt").read_text() == "mine"
+    assert sorted(p for p in tmp_path.rglob("*") if notes not in p.parents and p != notes) == before
+    first = import_speculators(ckpt, tmp_path / "export", target=model_dir)
+    assert import_speculators(ckpt, first, target=model_dir) == first  # an earlier export is replaced
 
 
 def test_speculators_trainer_on_cpu_from_our_export(model_dir, store, tmp_path):
