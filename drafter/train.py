@@ -227,9 +227,12 @@ def _checkpoint_to_resume(out: Path, data: dict, d) -> Path | None:
     other_data = any(old.get(k) != data[k] for k in DATA_KEYS if k != "repairs") or data["repairs"] > (
         old.get("repairs") or 0
     )
+    recorded = old.get("schedule") or {}
+    if recorded:  # a setting added since that checkpoint was made: it trained with the setting's default
+        recorded = {k: TrainConfig.model_fields[k].default for k in data["schedule"]} | recorded
     changed = {
         k: (was, data["schedule"][k])
-        for k, was in (old.get("schedule") or {}).items()
+        for k, was in recorded.items()
         if k in data["schedule"] and was != data["schedule"][k]
     }
     if not other_data and not changed:

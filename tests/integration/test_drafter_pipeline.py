@@ -382,6 +382,29 @@ def test_a_training_with_other_settings_is_moved_aside_not_resumed(work, referen
     assert again.reused and len(list((out / "superseded").iterdir())) == 1
 
 
+def test_a_checkpoint_from_before_the_levers_resumes_only_under_their_defaults(work, reference, tmp_path, caplog):
+    """A checkpoint whose recorded settings predate train.position_weight / train.optimizer trained with their
+    defaults: it is resumed under the defaults, and moved aside (not resumed into a different loss or optimizer) when
+    a run sets a lever."""
+    import shutil
+
+    out = tmp_path / "drafter"
+    shutil.copytree(reference.output_dir, out)
+    levers = ("position_weight", "dpace_alpha", "optimizer", "muon_lr", "muon_weight_decay")
+    for rec in [*(out / "checkpoints").glob("*/data.json"), out / "export" / "dflash_meta.json"]:
+        d = json.loads(rec.read_text())
+        for holder in (d, d.get("data") or {}):
+            if "schedule" in holder:
+                holder["schedule"] = {k: v for k, v in holder["schedule"].items() if k not in levers}
+        rec.write_text(json.dumps(d))
+    same = train(TrainConfig(**TRAIN), work["store"], work["report"], out)
+    assert same.start_step == STEPS and not (out / "superseded").exists()  # resumed at its end: nothing trained
+    with caplog.at_level("WARNING", logger="dflash_pipeline.drafter.train"):
+        res = train(TrainConfig(**{**TRAIN, "position_weight": "dpace"}), work["store"], work["report"], out)
+    assert "train.position_weight decay -> dpace" in caplog.text
+    assert res.start_step == 0 and not res.reused and len(list((out / "superseded").iterdir())) == 1
+
+
 def test_a_training_from_before_a_repair_of_its_version_is_moved_aside_not_reused(work, tmp_path, caplog):
     """A damage check: a drafter trained while a shard was damaged in a way only its digest shows (two chunks of
     it swapped), then the version repaired (`verify --repair` discarded the unit, a rerun of extract rebuilt it), was
