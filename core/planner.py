@@ -349,7 +349,9 @@ def _gpu_cost(
     work = work_of(cfg, report, prepared, committed, est.gpus, disk_bytes_per_s)
     kind = cost.gpu_kind(est.gpu)
     if est.gpu and kind not in {r.get("gpu") for r in records} and cost.peak(kind) is None:
-        est.gpu_source += f"; no recorded rate or bf16 peak for {est.gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"
+        unknown = f"; no recorded rate or bf16 peak for {est.gpu!r} (known: {', '.join(GPU_PEAK_TFLOPS)})"
+        if unknown not in est.gpu_source:  # (priced twice when the disk's speed was measured)
+            est.gpu_source += unknown
         kind = None
     costs = [cost.estimate(records, work, k) for k in cost.kinds(records, kind)]
     est.cost = [c.to_dict() for c in costs]
@@ -420,14 +422,14 @@ def disk_check(cfg: RunConfig, report: ProbeReport, est: StoreEstimate, logical:
     except OSError as e:
         return None, [f"disk write speed: the write test in {where} failed ({e.strerror or e}); not compared"]
     lines = [f"disk write speed: {test.line()}"]
-    if not est.extract_tokens_per_s:
-        return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
     if est.small_target:  # (a fresh-user check: "863,577,085 tokens/s per H100", then int4)
         return None, [
             *lines,
             "disk vs GPU: not compared (the target is small: the extraction rate scaled from large targets "
             "overstates its speed, and so the bytes per second it would write)",
         ]
+    if not est.extract_tokens_per_s:
+        return None, [*lines, "disk vs GPU: not compared (no GPU throughput estimate: name the GPU with plan.gpu)"]
     workers = max(1, sum(r.startswith("cuda") for r in report.replicas))
     advice = diskcheck.advise(
         test.bytes_per_s,
