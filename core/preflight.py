@@ -167,6 +167,10 @@ def _check_prompts(cfg: RunConfig) -> None:
         from dflash_pipeline.drafter.prompts import load_prompts
 
         load_prompts(cfg.evaluate)
+        if cfg.evaluate.decoder != "ours":  # before the run trains, not at its last stage
+            from dflash_pipeline.drafter.reference_decoder import require_dflash
+
+            require_dflash()
 
 
 PEEK_ROWS = 100  # rows of the data source read before the run: one usable conversation among them is enough

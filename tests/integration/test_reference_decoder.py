@@ -104,3 +104,17 @@ def test_reference_without_the_package(trained, monkeypatch):
         evaluate_export(trained["export"], trained["report"], EvalConfig(decoder="reference", **EVAL))
     ours = evaluate_export(trained["export"], trained["report"], EvalConfig(**EVAL))  # ours needs no package
     assert ours.decoder == "ours" and ours.reference_acceptance_length is None
+
+
+def test_a_run_that_asks_for_the_reference_decoder_without_the_package_stops_before_any_work(
+    monkeypatch, tmp_path, capsys
+):
+    """The user's path: `dflash-pipeline run --set evaluate.decoder=reference` without `dflash` is one error line
+    from the pre-flight check (exit 2), before Prefect starts or anything is extracted or trained."""
+    from dflash_pipeline.cli import main
+
+    monkeypatch.setitem(sys.modules, "dflash.model", None)
+    rc = main(["run", "--set", f"output_dir={tmp_path}", "--set", "evaluate.decoder=reference"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"`{PIP}`" in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())  # nothing prepared, extracted or trained
