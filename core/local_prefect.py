@@ -23,6 +23,11 @@ POOL = "dflash"
 STOP_GRACE_S = 20.0
 ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING")
 ACTIVE_TASK_STATES = ("PENDING", "RUNNING", "SCHEDULED", "CANCELLING", "PAUSED")
+# The flow runs whose unfinished task runs are orphans to end: a Completed or Failed run's process lived to end its
+# own, and a task's last state can reach the server a moment after its flow run's (Prefect records task-run states
+# as events), so forcing those could turn a finished task Crashed.
+ORPHANING_STATES = ("CRASHED", "CANCELLED")
+FLOW_NAME = "dflash-pipeline"  # the flow's name (flows/pipeline.py): orphans of other flows on a shared server stay
 ORPHAN_POLL_S = 2.0  # how often serve ends the task runs that killed flow-run processes left Running
 # Zombie detection (PostgreSQL only): the heartbeat period is set for the deployments' flow runs in
 # deployments/prefect.yaml (job variable env); a run is crashed after ZOMBIE_WITHIN_S without a heartbeat (Prefect's
@@ -241,7 +246,8 @@ class LocalPrefect:
         and the worker reported the flow run Crashed): set to their flow run's final state, naming it. serve does
         this every ORPHAN_POLL_S (and each run does at its start); returns how many it set."""
         body = {
-            "flow_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]}}},
+            "flows": {"name": {"any_": [FLOW_NAME]}},
+            "flow_runs": {"state": {"type": {"any_": list(ORPHANING_STATES)}}},
             "task_runs": {"state": {"type": {"any_": list(ACTIVE_TASK_STATES)}}},
             "limit": 200,
         }

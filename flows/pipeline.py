@@ -37,6 +37,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.extraction import procs
 from dflash_pipeline.extraction.extract import WorkerResult
 from dflash_pipeline.extraction.probe import ProbeReport
+from dflash_pipeline.local_prefect import FLOW_NAME
 from dflash_pipeline.runguard import quiet_user_errors, raise_if_stopped, run_done, stop_asked, stops_remembered
 from dflash_pipeline.storage.store import PlanResult
 from dflash_pipeline.summary import RunSummary, StopReport
@@ -114,7 +115,7 @@ def _run_name() -> str:
 # No log_prints: Prefect's print patch ignores a swapped sys.stdout, so what a library prints into a capture
 # (dill.detect.nestedglobals disassembles every function `datasets` fingerprints, into a StringIO) became UI log
 # lines of bytecode. Our code logs through `logging`, which reaches the UI (tasks/common.forward_logic_logs).
-@flow(name="dflash-pipeline", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=16))
+@flow(name=FLOW_NAME, flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=16))
 def dflash_pipeline(
     config_path: str | None = None, overrides: dict[str, Any] | None = None, preset: dict[str, Any] | None = None
 ) -> RunSummary:

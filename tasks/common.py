@@ -18,6 +18,7 @@ from prefect.logging.handlers import APILogHandler
 
 from dflash_pipeline import PACKAGE_LOGGER
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.local_prefect import ACTIVE_TASK_STATES, FLOW_NAME, ORPHANING_STATES
 from dflash_pipeline.runguard import reported, stop_asked
 
 
@@ -131,7 +132,6 @@ def retry_unless_user_error(task, task_run, state) -> bool:
 STARTED_BY = os.getppid()  # the Prefect worker that started this flow-run process (PREFECT__FLOW_RUN_ID set)
 # serve's marker that it is stopping (core/serve.py sets the variable for its worker and creates the file on a stop)
 SERVE_STOPPING_ENV = "DFLASH_SERVE_STOPPING_FILE"
-ACTIVE_TASK_STATES = ("PENDING", "RUNNING", "SCHEDULED", "CANCELLING", "PAUSED")
 
 
 @dataclass(frozen=True)
@@ -267,12 +267,14 @@ def finalize_task_runs(flow_run_id, stop: Stop, message: str) -> list[str]:
 
 
 def finalize_orphans(limit: int = 200) -> list[str]:
-    """Task runs left unfinished by flow runs that have ended (a flow-run process killed by SIGKILL or the OOM
-    killer reports nothing; serve or the zombie automation then sets its flow run Crashed): set to their flow run's
-    final state (Crashed or Cancelled; Crashed for a Failed or Completed one), naming it. Called at a run's start;
+    """Task runs left unfinished by this pipeline's flow runs that have ended Crashed or Cancelled (a flow-run process
+    killed by SIGKILL or the OOM killer reports nothing; serve or the zombie automation then sets its flow run
+    Crashed): set to their flow run's final state, naming it. Called at a run's start;
     returns "task name (flow run name)" of those it set."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
         FlowRunFilter,
         FlowRunFilterState,
         FlowRunFilterStateType,
@@ -282,11 +284,13 @@ def finalize_orphans(limit: int = 200) -> list[str]:
     )
     from prefect.states import Cancelled, Crashed
 
-    final = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
     done = []
     with get_client(sync_client=True) as client:
         orphans = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=final))),
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(ORPHANING_STATES)))
+            ),
             task_run_filter=TaskRunFilter(
                 state=TaskRunFilterState(type=TaskRunFilterStateType(any_=list(ACTIVE_TASK_STATES)))
             ),
