@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import queue
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -198,6 +199,16 @@ def _publish_failure(summary: RunSummary, stage: str | None, e: BaseException) -
         run_logger().warning("could not publish the failed run's summary: %s", err)
 
 
+def resume_command(deployment_name: str, params: dict[str, Any]) -> str:
+    """The shell command that runs a deployment again with a stopped run's own config file and overrides."""
+    given = "".join(
+        f" -p {key}={shlex.quote(value if isinstance(value, str) else json.dumps(value))}"
+        for key in ("config_path", "overrides")
+        if (value := params.get(key))
+    )
+    return f"prefect deployment run '{FLOW_NAME}/{deployment_name}'{given}"
+
+
 def _stop_report(cfg: RunConfig, stop: Stop, stage: str | None) -> StopReport:
     """Where a stopped run stopped and what resumes it, for its summary, its final state and its last log line."""
     from prefect.runtime import deployment, flow_run
@@ -217,10 +228,8 @@ def _stop_report(cfg: RunConfig, stop: Stop, stage: str | None) -> StopReport:
     if stop_asked() is not None:
         resume = "run the same `dflash-pipeline run` command again"
     elif deployment.name:
-        overrides = (flow_run.parameters or {}).get("overrides")
-        given = f" -p overrides='{json.dumps(overrides)}'" if overrides else ""
         resume = (
-            f"`prefect deployment run 'dflash-pipeline/{deployment.name}'{given}` (or Run in the UI with the same "
+            f"`{resume_command(deployment.name, flow_run.parameters or {})}` (or Run in the UI with the same "
             "parameters): it resumes from there"
         )
         if deployment.name == "nightly":

@@ -33,3 +33,18 @@ def test_a_failed_run_is_headed_with_its_stage():
     md = run_summary_markdown(_summary(), failure="prepare-dataset: DataError: no usable samples")
     assert md.startswith("# Run summary: FAILED at prepare-dataset\n"), md
     assert "| outcome | **failed**: prepare-dataset: DataError: no usable samples |" in md.splitlines(), md
+
+
+def test_the_resume_command_gives_the_runs_own_config_file_and_overrides_as_the_shell_reads_them():
+    import json
+    import shlex
+
+    from dflash_pipeline.flows.pipeline import resume_command
+
+    overrides = {"data.source": "/data/it's here.jsonl", "train.lr": 0.001}
+    cmd = resume_command("full", {"config_path": "/srv/my run.yaml", "overrides": overrides, "preset": None})
+    argv = shlex.split(cmd)
+    assert argv[:4] == ["prefect", "deployment", "run", "dflash-pipeline/full"], cmd
+    assert argv[4:6] == ["-p", "config_path=/srv/my run.yaml"], cmd
+    assert argv[6] == "-p" and json.loads(argv[7].removeprefix("overrides=")) == overrides, cmd
+    assert resume_command("nightly", {}) == "prefect deployment run 'dflash-pipeline/nightly'"
