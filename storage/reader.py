@@ -55,6 +55,11 @@ from dflash_pipeline.storage.verify import (
 log = logging.getLogger(__name__)
 
 
+class PassingReadError(StoreError):
+    """A read that failed while every file it needs reads again intact (a network's or a busy disk's passing error):
+    nothing is damaged, so the reader goes on serving; the same read may succeed again."""
+
+
 @dataclass(frozen=True)
 class SampleRef:
     sample_id: str
@@ -395,6 +400,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             )
         try:
             return self._read(ref)
+        except PassingReadError:
+            raise
         except StoreError as e:  # damage found by a read: no other unit's samples are served after it
             self._refused = str(e)
             raise
@@ -436,8 +443,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                     f = f"units/{ref.unit}/{name}/c/" + "/".join([str(i)] + ["0"] * (arr.ndim - 1))
                     what = f"cannot be decoded ({type(err).__name__}: {err}) reading sample {ref.sample_id}"
                     return self._error([Problem(ref.unit, name, f, what)])
-        what = f"cannot be read ({type(e).__name__}: {e}) reading sample {ref.sample_id}"
-        return self._error([Problem(ref.unit, "-", f"units/{ref.unit}", what)])
+        # every file read again whole: the failure was passing (a network's, a busy disk's), not damage found
+        return PassingReadError(
+            f"store {self.store.loc.url_of(self.version)}: unit {ref.unit}: sample {ref.sample_id} could not be read "
+            f"({type(e).__name__}: {e}), but each of its files reads again intact: read it again; if this repeats, "
+            f"`dflash-pipeline verify {self.store.url} --version {self.version}` checks every file"
+        )
 
 
 def read_rows(arrays, name: str, sl: slice, logical: str, precision: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_pipeline.cli import main as cli
 from dflash_pipeline.errors import CompatError, StoreError, ValidationFailed
@@ -121,6 +122,27 @@ def test_a_reader_that_found_damage_reads_nothing_more(small_store, tmp_path):
     (root / version / U0 / "commit.json").write_text("{")
     with pytest.raises(StoreError, match="Nothing of this version is read"):
         HiddenStateDataset(root, version, unvalidated="warn")
+
+
+def test_a_passing_read_error_is_not_damage_and_the_reader_goes_on(small_store, monkeypatch):
+    """A read that fails while each of its files reads again intact (an object store's timeout, a busy disk) names
+    itself as passing; the reader is not turned off for good, and the same read then succeeds."""
+    import dflash_pipeline.storage.reader as reader
+
+    ds = HiddenStateDataset(small_store.store, small_store.plan.version, unvalidated="warn")
+    want = ds[0]["hidden"].clone()
+    real, calls = reader.read_rows, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("Connection reset by peer")
+        return real(*a, **k)
+
+    monkeypatch.setattr(reader, "read_rows", flaky)
+    with pytest.raises(reader.PassingReadError, match="reads again intact: read it again"):
+        ds[0]
+    assert torch.equal(ds[0]["hidden"], want) and ds[len(ds) - 1]["hidden"].numel() > 0
 
 
 def test_a_discard_that_cannot_delete_one_file_counts_and_names_that_file(small_store, tmp_path):
