@@ -420,7 +420,7 @@ def said_extract(plan, results) -> str:
 def said_train(r) -> str:
     if getattr(r, "reused", False):
         return f"reused: the training had finished ({r.steps} steps), export {r.export_dir}"
-    # (a resumed training's first loss is its step 1's, from the session that began it: said so)
+    # (a resumed training's first loss is its step 1's, from the training that began it: said so)
     since = " (step 1)" if r.start_step else ""
     loss = f", loss {r.first_loss:.3f}{since} -> {r.final_loss:.3f}" if r.first_loss is not None else ""
     stopped = " (interrupted)" if r.interrupted else ""
