@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORDS = re.compile(
     "|".join(
         (
-            r"\bsessions? " + r"[0-9]",  # "session 7", "sessions 25 to 27"
-            r"\bsession-" + r"[0-9]",  # "the session-3 defaults"
+            r"\bsessions? " + r"[0-9]",  # a session's number, one or several
+            r"\bsession-" + r"[0-9]",  # the same, hyphenated
             r"nvidia-h" + r"(100|200)",  # the lending service's kind names
             r"device " + r"(minutes|time|budget)",
             r"budget_" + r"left",
@@ -52,7 +52,9 @@ def test_no_tracked_text_file_speaks_of_sessions_or_lent_machines():
 
 
 def test_the_pattern_finds_what_it_guards_against():
-    bad = ("see Session 12", "sessions 25 to 27", "the session-3 defaults", "NVIDIA-H200-x2", "30 device minutes")
+    s, n = "session", "nvidia"
+    bad = (f"see {s.title()} 12", f"{s}s 25 to 27", f"the {s}-3 defaults", f"{n.upper()}-H200-x2")
+    bad += ("30 device " + "minutes",)
     for line in bad:
         assert WORDS.search(line), line
     for line in ("one Prefect harness per session", "a session of its own", "one H100 80GB", "GPU time"):
